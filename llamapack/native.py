@@ -1,0 +1,156 @@
+"""The expert-hook C API, bound on the libllama that llama-cpp-python loaded.
+
+Thin layer: ``ffi``/``lib`` plus typed helpers that check return codes and raise ``NativeError``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+from .errors import NativeError
+
+EXPECTED_API_VERSION = 1
+ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
+
+
+def _load_ffi():
+    try:
+        from ._expert_cffi import ffi  # built by setup.py (cffi_modules)
+    except ImportError:  # source checkout without an install: same definitions, parsed at import
+        import importlib.util
+        from pathlib import Path
+
+        spec = importlib.util.spec_from_file_location(
+            "_llamapack_build_ffi", Path(__file__).resolve().parent.parent / "native" / "build_ffi.py")
+        if spec is None or spec.loader is None:
+            raise NativeError("llamapack's cffi module is not built and native/build_ffi.py is missing")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        ffi = module.ffibuilder
+    return ffi
+
+
+ffi = _load_ffi()
+
+
+@functools.lru_cache(maxsize=1)
+def lib():
+    """Open the libllama llama_cpp already loaded and check it carries the llamapack hook."""
+    try:
+        import llama_cpp.llama_cpp as llama_cpp_module
+    except Exception as exc:  # llama_cpp raises plain exceptions when its library is missing
+        raise NativeError(f"llama-cpp-python could not be imported: {exc}") from exc
+    path = llama_cpp_module._lib._name
+    handle = ffi.dlopen(path)
+    try:
+        version = handle.llama_expert_api_version()
+    except AttributeError:
+        raise NativeError(
+            f"{path} is a vanilla libllama without the llamapack hook; "
+            "build the patched one with `python scripts/build_llama.py`") from None
+    if version != EXPECTED_API_VERSION:
+        raise NativeError(f"{path} has hook API version {version}, llamapack needs {EXPECTED_API_VERSION}; rebuild it")
+    return handle
+
+
+def is_patched() -> bool:
+    try:
+        lib()
+        return True
+    except NativeError:
+        return False
+
+
+def _ptr(kind: str, ctypes_pointer) -> object:
+    value = ctypes_pointer.value if isinstance(ctypes_pointer, ctypes.c_void_p) else ctypes_pointer
+    if not value:
+        raise NativeError(f"null {kind} pointer")
+    return ffi.cast(f"struct {kind} *", value)
+
+
+def model_ptr(llama_cpp_model) -> object:
+    """cffi pointer to the llama_model behind a llama_cpp ``_internals.LlamaModel``."""
+    return _ptr("llama_model", llama_cpp_model.model)
+
+
+def context_ptr(llama_cpp_context) -> object:
+    """cffi pointer to the llama_context behind a llama_cpp ``_internals.LlamaContext``."""
+    return _ptr("llama_context", llama_cpp_context.ctx)
+
+
+@dataclass(frozen=True)
+class ExpertTensorInfo:
+    """One routed-expert weight tensor as libllama loaded it (all experts of one role in one layer)."""
+
+    index: int          # position in libllama's table (the order role offsets are passed in)
+    name: str
+    layer: int
+    role: str           # gate | up | down | gate_up
+    ggml_type: int
+    ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int]
+    file_idx: int
+    file_offset: int
+    nbytes: int
+    lazy: bool
+
+    @property
+    def n_expert(self) -> int:
+        return self.ne[2]
+
+    @property
+    def expert_nbytes(self) -> int:
+        return self.nb[2]
+
+
+def expert_tensors(model) -> list[ExpertTensorInfo]:
+    """The routed-expert tensors of a loaded model, in libllama's order."""
+    handle = lib()
+    n = handle.llama_model_expert_tensor_count(model)
+    info = ffi.new("struct llama_expert_tensor_info *")
+    out = []
+    for i in range(n):
+        if handle.llama_model_expert_tensor_get(model, i, info) != 0:
+            raise NativeError(f"expert tensor {i} of {n} could not be read")
+        out.append(ExpertTensorInfo(
+            index=i, name=ffi.string(info.name).decode(), layer=info.layer, role=ROLE_NAMES[info.role],
+            ggml_type=info.type, ne=tuple(info.ne), nb=tuple(info.nb), file_idx=info.file_idx,
+            file_offset=info.file_offset, nbytes=info.nbytes, lazy=bool(info.lazy)))
+    return out
+
+
+def last_error(ctx) -> str:
+    return ffi.string(lib().llama_expert_last_error(ctx)).decode(errors="replace")
+
+
+def attach_pool(ctx, base: int, size: int, n_slots: int, tensor_offsets: list[int], tensor_strides: list[int]) -> None:
+    """Attach a host slot pool (see ``llama_expert_pool_desc``); raises NativeError with libllama's reason."""
+    offsets = ffi.new("uint64_t[]", tensor_offsets)
+    strides = ffi.new("uint64_t[]", tensor_strides)
+    desc = ffi.new("struct llama_expert_pool_desc *", {
+        "base": ffi.cast("void *", base), "size": size, "n_slots": n_slots, "device": -1,
+        "tensor_offsets": offsets, "tensor_strides": strides})
+    if lib().llama_expert_pool_attach(ctx, desc) != 0:
+        raise NativeError(last_error(ctx))
+
+
+def set_provider(ctx, callback) -> None:
+    if lib().llama_expert_provider_set(ctx, callback, ffi.NULL) != 0:
+        raise NativeError(last_error(ctx))
+
+
+def detach(ctx) -> None:
+    lib().llama_expert_detach(ctx)
+
+
+class lazy_experts_load:
+    """Context manager: models loaded inside keep their routed experts on disk (never read by libllama)."""
+
+    def __enter__(self):
+        lib().llama_expert_set_lazy_load(True)
+        return self
+
+    def __exit__(self, *exc):
+        lib().llama_expert_set_lazy_load(False)
+        return False

@@ -1,0 +1,53 @@
+"""cffi definitions of the llamapack expert-hook C API (native/llama-expert.h).
+
+Built out-of-line in ABI mode by setup.py (``cffi_modules``) into ``llamapack._expert_cffi``: no compiler
+is needed, and the library is opened at run time (the one llama-cpp-python loaded).
+"""
+import cffi
+
+CDEF = """
+struct llama_model;
+struct llama_context;
+
+struct llama_expert_tensor_info {
+    char     name[64];
+    int32_t  layer;
+    int32_t  role;
+    int32_t  type;
+    int32_t  file_idx;
+    int64_t  ne[4];
+    uint64_t nb[4];
+    uint64_t file_offset;
+    uint64_t nbytes;
+    int32_t  lazy;
+};
+
+typedef int32_t (*llama_expert_provider_fn)(
+        void * user_data, int32_t layer, const int32_t * expert_ids,
+        int32_t n_expert_used, int32_t n_tokens, int32_t * slot_ids);
+
+struct llama_expert_pool_desc {
+    void *           base;
+    size_t           size;
+    int32_t          n_slots;
+    int32_t          device;
+    const uint64_t * tensor_offsets;
+    const uint64_t * tensor_strides;
+};
+
+int32_t llama_expert_api_version(void);
+void    llama_expert_set_lazy_load(bool enable);
+int32_t llama_model_expert_tensor_count(const struct llama_model * model);
+int32_t llama_model_expert_tensor_get(const struct llama_model * model, int32_t i, struct llama_expert_tensor_info * out);
+int32_t llama_expert_pool_attach(struct llama_context * ctx, const struct llama_expert_pool_desc * desc);
+int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
+void    llama_expert_detach(struct llama_context * ctx);
+const char * llama_expert_last_error(const struct llama_context * ctx);
+"""
+
+ffibuilder = cffi.FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source("llamapack._expert_cffi", None)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,47 @@
+// llamapack expert-provider hook: the glue the patched llama.cpp sources call.
+//
+// Copied into the vendored llama.cpp as src/llama-expert-impl.h. Each function here is one call site in
+// patches/0001-expert-provider-hook.patch; the logic lives in llama-expert.cpp.
+#pragma once
+
+#include "llama-expert.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+struct ggml_context;
+struct ggml_tensor;
+struct llama_model;
+struct llama_context;
+struct llama_model_loader;
+struct llama_expert_hook;
+
+// loader: should this tensor be forced lazy (pack mode, routed-expert weight)?
+bool llama_expert_force_lazy(const std::string & tensor_name);
+
+// model: record the routed-expert tensors once they are created (file offsets from the loader)
+void llama_expert_model_init(llama_model & model, const llama_model_loader & ml);
+
+// context: refuse to decode when experts are lazy and nothing serves them, or warmup in pack mode.
+// Returns false (after logging why) when the decode must not run.
+bool llama_expert_decode_allowed(const llama_context & lctx, bool warmup);
+
+// context: true (and clears the flag) when the provider failed during the last graph compute
+bool llama_expert_take_failure(llama_expert_hook * hook);
+
+// graph: reuse is only valid for the same hook state
+uint64_t llama_expert_hook_generation(const llama_expert_hook * hook);
+
+// graph: one remap per MoE layer. Empty (ids == nullptr) when the layer is not served by a pool.
+struct llama_expert_remap {
+    llama_expert_hook * hook = nullptr;
+    ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
+};
+
+llama_expert_remap llama_expert_remap_build(
+        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts,
+        std::initializer_list<ggml_tensor *> expert_weights);
+
+// point a freshly built mul_mat_id node at the pool tensor and the slot ids (no-op for an empty remap)
+void llama_expert_remap_apply(const llama_expert_remap * remap, ggml_tensor * mul_mat_id);

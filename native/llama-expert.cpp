@@ -1,0 +1,436 @@
+// llamapack expert-provider hook: implementation (see llama-expert.h for the contract).
+//
+// Copied into the vendored llama.cpp as src/llama-expert.cpp and compiled into the llama target.
+#include "llama-expert-impl.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model-loader.h"
+#include "llama-model.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+#include "ggml.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+static std::atomic<bool> g_lazy_load{false};
+
+// per model: the routed-expert tensors in a stable order (the index the C API uses)
+struct llama_expert_model_info {
+    std::vector<llama_expert_tensor_info> tensors;
+    std::vector<const ggml_tensor *>      weights; // same order
+    int32_t n_lazy = 0;
+};
+
+struct llama_expert_hook;
+
+// userdata of one layer's remap op
+struct llama_expert_layer_binding {
+    llama_expert_hook * hook;
+    int32_t layer;
+    int32_t n_expert;
+};
+
+struct llama_expert_hook {
+    const llama_model * model = nullptr;
+
+    // pool
+    ggml_context_ptr        pool_ctx;
+    ggml_backend_buffer_ptr pool_buf;
+    int32_t                 n_slots = 0;
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> pool_tensor;   // original weight -> pool view
+    std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of;
+    std::vector<std::unique_ptr<llama_expert_layer_binding>> bindings;
+
+    // provider
+    llama_expert_provider_fn provider = nullptr;
+    void *                   provider_data = nullptr;
+
+    // the user's abort callback, chained behind ours
+    ggml_abort_callback user_abort = nullptr;
+    void *              user_abort_data = nullptr;
+
+    std::atomic<bool> failed{false};
+    std::mutex        error_mutex;
+    std::string       last_error;
+    uint64_t          generation = 1;
+
+    std::vector<int32_t> scratch_ids;
+    std::vector<int32_t> scratch_slots;
+
+    bool ready() const { return pool_buf && provider; }
+
+    void set_error(std::string msg) {
+        LLAMA_LOG_ERROR("llamapack: %s\n", msg.c_str());
+        std::lock_guard<std::mutex> lock(error_mutex);
+        last_error = std::move(msg);
+    }
+};
+
+// llama_context keeps these private; this struct is its friend
+struct llama_expert_access {
+    static const llama_model & model(const llama_context & c) { return c.model; }
+    static void need_reserve(llama_context & c) { c.sched_need_reserve = true; c.gf_res_prev_active = nullptr; }
+    static ggml_abort_callback abort_cb(const llama_context & c) { return c.abort_callback; }
+    static void * abort_data(const llama_context & c) { return c.abort_callback_data; }
+};
+
+// --- model side -------------------------------------------------------------------------------------------
+
+static int32_t role_from_name(const std::string & name) {
+    if (name.find(".ffn_gate_up_exps.weight") != std::string::npos) return LLAMA_EXPERT_ROLE_GATE_UP;
+    if (name.find(".ffn_gate_exps.weight")    != std::string::npos) return LLAMA_EXPERT_ROLE_GATE;
+    if (name.find(".ffn_up_exps.weight")      != std::string::npos) return LLAMA_EXPERT_ROLE_UP;
+    if (name.find(".ffn_down_exps.weight")    != std::string::npos) return LLAMA_EXPERT_ROLE_DOWN;
+    return -1;
+}
+
+static int32_t layer_from_name(const std::string & name) {
+    int layer = -1;
+    return sscanf(name.c_str(), "blk.%d.", &layer) == 1 ? layer : -1;
+}
+
+bool llama_expert_force_lazy(const std::string & tensor_name) {
+    return g_lazy_load.load() && role_from_name(tensor_name) >= 0 && layer_from_name(tensor_name) >= 0;
+}
+
+void llama_expert_model_init(llama_model & model, const llama_model_loader & ml) {
+    auto info = std::make_shared<llama_expert_model_info>();
+    for (const auto & layer : model.layers) {
+        for (const ggml_tensor * t : {layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps, layer.ffn_gate_up_exps}) {
+            if (t == nullptr) {
+                continue;
+            }
+            const llama_model_loader::llama_tensor_weight * w = ml.get_weight(ggml_get_name(t));
+            if (w == nullptr) {
+                continue; // not backed by the file (no_alloc fit pass, or a virtual tensor)
+            }
+            llama_expert_tensor_info ti = {};
+            snprintf(ti.name, sizeof(ti.name), "%s", ggml_get_name(t));
+            ti.layer       = layer_from_name(ti.name);
+            ti.role        = role_from_name(ti.name);
+            ti.type        = t->type;
+            ti.file_idx    = (int32_t) w->idx;
+            ti.file_offset = w->offs;
+            ti.nbytes      = ggml_nbytes(t);
+            ti.lazy        = ml.lazy.has(t) ? 1 : 0;
+            for (int d = 0; d < 4; ++d) {
+                ti.ne[d] = t->ne[d];
+                ti.nb[d] = t->nb[d];
+            }
+            if (ti.layer < 0 || ti.role < 0) {
+                continue;
+            }
+            info->n_lazy += ti.lazy;
+            info->tensors.push_back(ti);
+            info->weights.push_back(t);
+        }
+    }
+    model.expert_info = std::move(info);
+}
+
+// --- context side -----------------------------------------------------------------------------------------
+
+static llama_expert_hook * hook_of(llama_context * ctx) {
+    if (!ctx->expert_hook) {
+        ctx->expert_hook = std::make_shared<llama_expert_hook>();
+        ctx->expert_hook->model = &llama_expert_access::model(*ctx);
+    }
+    return ctx->expert_hook.get();
+}
+
+static bool abort_trampoline(void * data) {
+    auto * hook = (llama_expert_hook *) data;
+    if (hook->failed.load()) {
+        return true;
+    }
+    return hook->user_abort ? hook->user_abort(hook->user_abort_data) : false;
+}
+
+bool llama_expert_decode_allowed(const llama_context & lctx, bool warmup) {
+    const auto & model = llama_expert_access::model(lctx);
+    const bool lazy = model.expert_info && model.expert_info->n_lazy > 0;
+    const llama_expert_hook * hook = lctx.expert_hook.get();
+    const bool served = hook && hook->ready();
+    if (lazy && !served) {
+        LLAMA_LOG_ERROR("llamapack: this model was loaded with its routed experts left on disk (pack mode), "
+                        "but no expert pool and provider are attached to the context; refusing to decode\n");
+        return false;
+    }
+    if (served && warmup) {
+        LLAMA_LOG_ERROR("llamapack: warmup runs every expert at once; it is refused while an expert provider is attached\n");
+        return false;
+    }
+    return true;
+}
+
+bool llama_expert_take_failure(llama_expert_hook * hook) {
+    return hook && hook->failed.exchange(false);
+}
+
+uint64_t llama_expert_hook_generation(const llama_expert_hook * hook) {
+    return hook ? hook->generation : 0;
+}
+
+// --- graph side -------------------------------------------------------------------------------------------
+
+// CPU custom op: selected expert ids -> provider -> slot ids. Runs on one thread (n_tasks = 1).
+static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto * b    = (llama_expert_layer_binding *) userdata;
+    auto * hook = b->hook;
+    const ggml_tensor * sel = dst->src[0];
+    const int32_t n_used   = (int32_t) sel->ne[0];
+    const int32_t n_tokens = (int32_t) sel->ne[1];
+    const size_t  n        = (size_t) n_used * n_tokens;
+    int32_t * out = (int32_t *) dst->data; // contiguous [n_used, n_tokens]
+
+    // fail closed: after a failure every later layer gets slot 0 and the abort callback stops compute
+    std::fill(out, out + n, 0);
+    if (hook->failed.load()) {
+        return;
+    }
+
+    hook->scratch_ids.resize(n);
+    hook->scratch_slots.assign(n, -1);
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        for (int32_t k = 0; k < n_used; ++k) {
+            const int32_t id = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
+            if (id < 0 || id >= b->n_expert) {
+                hook->set_error("layer " + std::to_string(b->layer) + ": router produced expert id " + std::to_string(id) +
+                                " outside [0, " + std::to_string(b->n_expert) + ")");
+                hook->failed = true;
+                return;
+            }
+            hook->scratch_ids[(size_t) t*n_used + k] = id;
+        }
+    }
+
+    const int32_t rc = hook->provider(hook->provider_data, b->layer, hook->scratch_ids.data(), n_used, n_tokens,
+                                      hook->scratch_slots.data());
+    if (rc != 0) {
+        hook->set_error("layer " + std::to_string(b->layer) + ": expert provider failed (code " + std::to_string(rc) + ")");
+        hook->failed = true;
+        return;
+    }
+    for (size_t i = 0; i < n; ++i) {
+        const int32_t s = hook->scratch_slots[i];
+        if (s < 0 || s >= hook->n_slots) {
+            hook->set_error("layer " + std::to_string(b->layer) + ": provider returned slot id " + std::to_string(s) +
+                            " for expert " + std::to_string(hook->scratch_ids[i]) + ", outside [0, " +
+                            std::to_string(hook->n_slots) + ")");
+            hook->failed = true;
+            std::fill(out, out + n, 0);
+            return;
+        }
+        out[i] = s;
+    }
+}
+
+llama_expert_remap llama_expert_remap_build(
+        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts,
+        std::initializer_list<ggml_tensor *> expert_weights) {
+    llama_expert_remap remap;
+    if (hook == nullptr || !hook->ready()) {
+        return remap;
+    }
+    llama_expert_layer_binding * binding = nullptr;
+    for (ggml_tensor * w : expert_weights) {
+        auto it = w ? hook->binding_of.find(w) : hook->binding_of.end();
+        if (it != hook->binding_of.end()) {
+            binding = it->second;
+            break;
+        }
+    }
+    if (binding == nullptr) {
+        return remap; // this layer's experts are resident: vanilla path
+    }
+    ggml_tensor * args[1] = { selected_experts };
+    remap.hook = hook;
+    remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
+                                args, 1, remap_op, 1, binding);
+    ggml_format_name(remap.ids, "llamapack_slot_ids-%d", binding->layer);
+    return remap;
+}
+
+void llama_expert_remap_apply(const llama_expert_remap * remap, ggml_tensor * mul_mat_id) {
+    if (remap == nullptr || remap->ids == nullptr) {
+        return;
+    }
+    GGML_ASSERT(mul_mat_id->op == GGML_OP_MUL_MAT_ID);
+    auto it = remap->hook->pool_tensor.find(mul_mat_id->src[0]);
+    GGML_ASSERT(it != remap->hook->pool_tensor.end() && "every role of a served layer must have a pool tensor");
+    mul_mat_id->src[0] = it->second;
+    mul_mat_id->src[2] = remap->ids;
+}
+
+// --- C API ------------------------------------------------------------------------------------------------
+
+int32_t llama_expert_api_version(void) {
+    return LLAMA_EXPERT_API_VERSION;
+}
+
+void llama_expert_set_lazy_load(bool enable) {
+    g_lazy_load = enable;
+}
+
+int32_t llama_model_expert_tensor_count(const llama_model * model) {
+    return model->expert_info ? (int32_t) model->expert_info->tensors.size() : 0;
+}
+
+int32_t llama_model_expert_tensor_get(const llama_model * model, int32_t i, llama_expert_tensor_info * out) {
+    if (i < 0 || i >= llama_model_expert_tensor_count(model)) {
+        return -1;
+    }
+    *out = model->expert_info->tensors[i];
+    return 0;
+}
+
+static int32_t attach_error(llama_expert_hook * hook, const std::string & msg) {
+    hook->set_error("pool attach: " + msg);
+    return -1;
+}
+
+int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_desc * desc) {
+    llama_expert_hook * hook = hook_of(ctx);
+    const llama_model & model = llama_expert_access::model(*ctx);
+    const auto & info = model.expert_info;
+    const int32_t n_tensors = llama_model_expert_tensor_count(&model);
+
+    if (n_tensors == 0) {
+        return attach_error(hook, "the model has no routed-expert tensors");
+    }
+    if (desc->device != -1) {
+        return attach_error(hook, "device pools are not supported by this build (device = " + std::to_string(desc->device) + ")");
+    }
+    if (desc->n_slots < 1 || desc->base == nullptr || desc->tensor_offsets == nullptr || desc->tensor_strides == nullptr) {
+        return attach_error(hook, "need a base pointer, tensor offsets and strides, and at least one slot");
+    }
+    if ((uintptr_t) desc->base % 64 != 0) {
+        return attach_error(hook, "pool base must be 64-byte aligned");
+    }
+    for (int32_t i = 0; i < n_tensors; ++i) {
+        const auto & ti = info->tensors[i];
+        const uint64_t off    = desc->tensor_offsets[i];
+        const uint64_t stride = desc->tensor_strides[i];
+        if (off % 64 != 0 || stride % ggml_type_size((ggml_type) ti.type) != 0) {
+            return attach_error(hook, std::string(ti.name) + ": offset must be 64-byte aligned and the stride a multiple of the type size");
+        }
+        if (ti.nb[2] > stride) {
+            return attach_error(hook, std::string(ti.name) + ": one expert (" + std::to_string(ti.nb[2]) +
+                                " bytes) does not fit in a slot of " + std::to_string(stride) + " bytes");
+        }
+        if (off + stride * (uint64_t) desc->n_slots > desc->size) {
+            return attach_error(hook, std::string(ti.name) + ": its slots run past the end of the pool");
+        }
+    }
+    for (const auto & layer : model.layers) {
+        int n_served = 0, n_present = 0;
+        for (const ggml_tensor * t : {layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps, layer.ffn_gate_up_exps}) {
+            n_present += t != nullptr;
+        }
+        for (const ggml_tensor * w : info->weights) {
+            for (const ggml_tensor * t : {layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps, layer.ffn_gate_up_exps}) {
+                n_served += t != nullptr && t == w;
+            }
+        }
+        if (n_served != 0 && n_served != n_present) {
+            return attach_error(hook, "a layer has expert roles the pool does not cover");
+        }
+    }
+
+    ggml_init_params params = {
+        /*.mem_size   =*/ (size_t) n_tensors * ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context_ptr pool_ctx(ggml_init(params));
+    ggml_backend_buffer_ptr pool_buf(ggml_backend_cpu_buffer_from_ptr(desc->base, desc->size));
+    if (!pool_ctx || !pool_buf) {
+        return attach_error(hook, "could not create the pool buffer");
+    }
+    ggml_backend_buffer_set_usage(pool_buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> pool_tensor;
+    std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of;
+    std::vector<std::unique_ptr<llama_expert_layer_binding>> bindings;
+    std::unordered_map<int32_t, llama_expert_layer_binding *> binding_by_layer;
+    for (int32_t i = 0; i < n_tensors; ++i) {
+        const auto & ti = info->tensors[i];
+        ggml_tensor * t = ggml_new_tensor_3d(pool_ctx.get(), (ggml_type) ti.type, ti.ne[0], ti.ne[1], desc->n_slots);
+        t->nb[1] = ti.nb[1];
+        t->nb[2] = desc->tensor_strides[i];
+        t->nb[3] = desc->tensor_strides[i] * desc->n_slots;
+        ggml_format_name(t, "llamapack_pool.%s", ti.name);
+        if (ggml_backend_tensor_alloc(pool_buf.get(), t, (char *) desc->base + desc->tensor_offsets[i]) != GGML_STATUS_SUCCESS) {
+            return attach_error(hook, std::string(ti.name) + ": could not place the pool view");
+        }
+        pool_tensor[info->weights[i]] = t;
+
+        auto & b = binding_by_layer[ti.layer];
+        if (b == nullptr) {
+            bindings.push_back(std::make_unique<llama_expert_layer_binding>(
+                    llama_expert_layer_binding{hook, ti.layer, (int32_t) ti.ne[2]}));
+            b = bindings.back().get();
+        }
+        binding_of[info->weights[i]] = b;
+    }
+
+    hook->pool_ctx    = std::move(pool_ctx);
+    hook->pool_buf    = std::move(pool_buf);
+    hook->n_slots     = desc->n_slots;
+    hook->pool_tensor = std::move(pool_tensor);
+    hook->binding_of  = std::move(binding_of);
+    hook->bindings    = std::move(bindings);
+    hook->generation++;
+    hook->failed = false;
+    llama_expert_access::need_reserve(*ctx);
+    return 0;
+}
+
+int32_t llama_expert_provider_set(llama_context * ctx, llama_expert_provider_fn fn, void * user_data) {
+    llama_expert_hook * hook = hook_of(ctx);
+    if (hook->provider == nullptr) {
+        // chain the user's abort callback behind ours, so a provider failure stops compute at once
+        hook->user_abort      = llama_expert_access::abort_cb(*ctx);
+        hook->user_abort_data = llama_expert_access::abort_data(*ctx);
+        ctx->set_abort_callback(abort_trampoline, hook);
+    }
+    hook->provider      = fn;
+    hook->provider_data = user_data;
+    hook->generation++;
+    hook->failed = false;
+    llama_expert_access::need_reserve(*ctx);
+    return 0;
+}
+
+void llama_expert_detach(llama_context * ctx) {
+    if (!ctx->expert_hook) {
+        return;
+    }
+    auto & hook = ctx->expert_hook;
+    if (hook->provider != nullptr) {
+        ctx->set_abort_callback(hook->user_abort, hook->user_abort_data);
+    }
+    // the graph must drop every reference to the pool before the pool goes
+    llama_expert_access::need_reserve(*ctx);
+    auto fresh = std::make_shared<llama_expert_hook>();
+    fresh->model      = hook->model;
+    fresh->generation = hook->generation + 1;
+    hook = std::move(fresh);
+}
+
+const char * llama_expert_last_error(const llama_context * ctx) {
+    const llama_expert_hook * hook = ctx->expert_hook.get();
+    return hook ? hook->last_error.c_str() : "";
+}

@@ -1,0 +1,104 @@
+// llamapack expert-provider hook: public C API.
+//
+// Copied into the vendored llama.cpp as include/llama-expert.h and included at the end of llama.h by
+// patches/0001-expert-provider-hook.patch. The implementation is native/llama-expert.cpp.
+//
+// Model side: a model loaded while llama_expert_set_lazy_load(true) is in force keeps its routed-expert
+// weights (ffn_{gate,up,down,gate_up}_exps.weight) lazy: mapped over the file, never read or allocated.
+// Context side: attach a slot pool and register a provider. In every MoE layer, after the router picked
+// the top-k experts, a CPU op hands the expert ids to the provider, which makes those experts resident in
+// pool slots and writes one slot id per (token, expert). The expert matmuls then run on the pool with the
+// slot ids; biases, scales and LoRA keep the original ids.
+#ifndef LLAMA_EXPERT_H
+#define LLAMA_EXPERT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#ifdef LLAMA_SHARED
+#    if defined(_WIN32) && !defined(__MINGW32__)
+#        ifdef LLAMA_BUILD
+#            define LLAMA_EXPERT_API __declspec(dllexport)
+#        else
+#            define LLAMA_EXPERT_API __declspec(dllimport)
+#        endif
+#    else
+#        define LLAMA_EXPERT_API __attribute__ ((visibility ("default")))
+#    endif
+#else
+#    define LLAMA_EXPERT_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct llama_model;
+struct llama_context;
+
+#define LLAMA_EXPERT_API_VERSION 1
+
+enum llama_expert_role {
+    LLAMA_EXPERT_ROLE_GATE    = 0,
+    LLAMA_EXPERT_ROLE_UP      = 1,
+    LLAMA_EXPERT_ROLE_DOWN    = 2,
+    LLAMA_EXPERT_ROLE_GATE_UP = 3,
+};
+
+// One routed-expert weight tensor of the loaded model (all experts of one role in one layer).
+struct llama_expert_tensor_info {
+    char     name[64];    // e.g. "blk.3.ffn_up_exps.weight"
+    int32_t  layer;       // model layer index (the N of blk.N)
+    int32_t  role;        // enum llama_expert_role
+    int32_t  type;        // enum ggml_type
+    int32_t  file_idx;    // split index of the file holding the bytes
+    int64_t  ne[4];       // ne[2] = number of experts
+    uint64_t nb[4];       // nb[2] = bytes of one expert
+    uint64_t file_offset; // absolute offset of the tensor data in its file
+    uint64_t nbytes;      // whole tensor
+    int32_t  lazy;        // 1 when the bytes were left on disk (never read by llama.cpp)
+};
+
+LLAMA_EXPERT_API int32_t llama_expert_api_version(void);
+
+// Models loaded while this is true keep their routed-expert weights lazy. Process-wide; set it right
+// before llama_model_load_from_file and reset it right after.
+LLAMA_EXPERT_API void llama_expert_set_lazy_load(bool enable);
+
+LLAMA_EXPERT_API int32_t llama_model_expert_tensor_count(const struct llama_model * model);
+// Returns 0 on success, -1 when i is out of range.
+LLAMA_EXPERT_API int32_t llama_model_expert_tensor_get(
+        const struct llama_model * model, int32_t i, struct llama_expert_tensor_info * out);
+
+// Make the experts of `layer` resident and write one slot id per id: expert_ids and slot_ids are
+// [n_tokens][n_expert_used], row-major. Return 0 on success; anything else fails the decode.
+typedef int32_t (*llama_expert_provider_fn)(
+        void * user_data, int32_t layer, const int32_t * expert_ids,
+        int32_t n_expert_used, int32_t n_tokens, int32_t * slot_ids);
+
+// A slot pool of n_slots slots in [base, base + size). Slot s of the tensor with index i (as in
+// llama_model_expert_tensor_get) starts at base + tensor_offsets[i] + s*tensor_strides[i]. Kernels index
+// experts in whole blocks (nb02 / type size), so each stride must be a multiple of its type size.
+struct llama_expert_pool_desc {
+    void *           base;
+    size_t           size;
+    int32_t          n_slots;
+    int32_t          device;          // -1: host memory (CPU backend)
+    const uint64_t * tensor_offsets;  // llama_model_expert_tensor_count(model) entries
+    const uint64_t * tensor_strides;  // same
+};
+
+// Returns 0 on success; on error returns -1 and llama_expert_last_error() says why.
+LLAMA_EXPERT_API int32_t llama_expert_pool_attach(struct llama_context * ctx, const struct llama_expert_pool_desc * desc);
+LLAMA_EXPERT_API int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
+// Drops pool and provider. With lazy experts the context then refuses to decode.
+LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);
+// The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.
+LLAMA_EXPERT_API const char * llama_expert_last_error(const struct llama_context * ctx);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif // LLAMA_EXPERT_H

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Fetch the pinned llama-cpp-python sdist, patch its vendored llama.cpp, build and install it.
+
+    python scripts/build_llama.py                      # patched, CPU (CUDA when a GPU is present)
+    LLAMAPACK_CUDA=1 LLAMAPACK_CUDA_ARCHS=90 python scripts/build_llama.py
+    python scripts/build_llama.py --vanilla-dir DIR    # also build unpatched libs into DIR (tests)
+    python scripts/build_llama.py --emit-tree DIR      # only write a trimmed patched source tree
+    python scripts/build_llama.py --sdist-dir DIR      # use an extracted (e.g. trimmed) tree, no download
+
+Steps: download (pip) and verify the sdist's sha256 -> extract -> copy native/ sources into
+vendor/llama.cpp -> apply patches/*.patch (an applied series is detected and skipped) -> cmake build of
+libllama/libggml -> pip install the Python package without its own native build, libs copied in.
+It also extracts the tokenizer vocab files (models/ggml-vocab-*.gguf) to the llamapack cache.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from llamapack.upstream import (LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, SDIST_NAME,  # noqa: E402
+                                SDIST_SHA256)
+
+CACHE = Path(os.environ.get("LLAMAPACK_CACHE", Path.home() / ".cache" / "llamapack"))
+PATCHES = sorted((REPO / "patches").glob("*.patch"))
+# project sources copied into the vendored tree: (source in native/, destination in vendor/llama.cpp)
+NATIVE_FILES = [("llama-expert.h", "include/llama-expert.h"),
+                ("llama-expert-impl.h", "src/llama-expert-impl.h"),
+                ("llama-expert.cpp", "src/llama-expert.cpp")]
+# dropped from a trimmed tree: not needed to build libllama/libggml for CPU or CUDA
+TRIM = ["vendor/llama.cpp/models", "vendor/llama.cpp/docs", "vendor/llama.cpp/media", "vendor/llama.cpp/tests",
+        "vendor/llama.cpp/examples", "vendor/llama.cpp/gguf-py", "vendor/llama.cpp/benches",
+        "vendor/llama.cpp/app", "vendor/llama.cpp/pocs", "vendor/llama.cpp/skills", "vendor/llama.cpp/.github",
+        "docs", "tests", "examples", "docker"]
+TRIM_BACKENDS = ["ggml-cann", "ggml-et", "ggml-hexagon", "ggml-metal", "ggml-musa", "ggml-opencl", "ggml-openvino",
+                 "ggml-sycl", "ggml-virtgpu", "ggml-vulkan", "ggml-webgpu", "ggml-zdnn", "ggml-zendnn", "ggml-blas",
+                 "ggml-rpc", "ggml-hip", "ggml-kompute"]
+
+
+class BuildError(Exception):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[build_llama] {msg}", flush=True)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_sdist() -> Path:
+    sdist = CACHE / "sdist" / SDIST_NAME
+    if not sdist.exists():
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        log(f"downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(sdist.parent)], check=True)
+    digest = sha256_of(sdist)
+    if digest != SDIST_SHA256:
+        raise BuildError(f"{sdist}: sha256 {digest} does not match the pin {SDIST_SHA256}; delete it and retry")
+    log(f"sdist verified: {sdist.name} sha256 {digest[:16]}...")
+    return sdist
+
+
+def extract(sdist: Path, dest: Path) -> Path:
+    root = dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    if root.exists():
+        shutil.rmtree(root)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    (root / "vendor/llama.cpp/.git").unlink(missing_ok=True)  # a submodule pointer that breaks git apply
+    return root
+
+
+def copy_vocab(root: Path) -> None:
+    vocab_dir = CACHE / "vocab"
+    vocab_dir.mkdir(parents=True, exist_ok=True)
+    for f in (root / "vendor/llama.cpp/models").glob("ggml-vocab-*.gguf"):
+        if not (vocab_dir / f.name).exists():
+            shutil.copy2(f, vocab_dir / f.name)
+    log(f"tokenizer vocab files in {vocab_dir}")
+
+
+def install_native_sources(llama_dir: Path) -> None:
+    for src, dst in NATIVE_FILES:
+        shutil.copy2(REPO / "native" / src, llama_dir / dst)
+
+
+def git_apply(llama_dir: Path, patch: Path, *flags: str) -> bool:
+    result = subprocess.run(["git", "apply", *flags, str(patch)], cwd=llama_dir, capture_output=True, text=True)
+    return result.returncode == 0
+
+
+def apply_patches(llama_dir: Path) -> None:
+    """Apply patches/*.patch once: an applied patch is detected (reverse check) and skipped."""
+    for patch in PATCHES:
+        if git_apply(llama_dir, patch, "--check"):
+            git_apply(llama_dir, patch)
+            log(f"applied {patch.name}")
+        elif git_apply(llama_dir, patch, "--reverse", "--check"):
+            log(f"already applied: {patch.name}")
+        else:
+            raise BuildError(
+                f"{patch.name} does not apply to llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} "
+                f"(llama.cpp {LLAMA_CPP_COMMIT}) in {llama_dir}. Regenerate it against the pinned version: "
+                "apply the old patch by hand to a fresh extract, fix the rejects, then run "
+                "`python scripts/regen_patches.py THAT_TREE`.")
+
+
+def want_cuda() -> bool:
+    if os.environ.get("LLAMAPACK_CUDA") is not None:
+        return os.environ["LLAMAPACK_CUDA"] not in ("", "0")
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def cmake_args(cuda: bool) -> list[str]:
+    args = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+    if cuda:
+        archs = os.environ.get("LLAMAPACK_CUDA_ARCHS", "native")
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
+    return args
+
+
+def cmake_build(root: Path, build_dir: Path, cuda: bool) -> Path:
+    """Build libllama + libggml* with llama-cpp-python's own top-level CMake; returns the lib directory."""
+    jobs = str(os.environ.get("LLAMAPACK_JOBS", os.cpu_count() or 2))
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    log(f"configuring ({'CUDA' if cuda else 'CPU'}) in {build_dir}")
+    subprocess.run(["cmake", "-S", str(root), "-B", str(build_dir), *generator, *cmake_args(cuda)], check=True,
+                   stdout=subprocess.DEVNULL)
+    log(f"building with {jobs} jobs (a few minutes on 2 cores)")
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama", "-j", jobs], check=True)
+    libs = build_dir / "vendor/llama.cpp/bin"
+    if not (libs / "libllama.so").exists():
+        raise BuildError(f"no libllama.so under {libs}")
+    return libs
+
+
+def pip_install(root: Path, libs: Path) -> Path:
+    """Install the llama_cpp Python package (no native build of its own) and put the built libs in it."""
+    env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(root)],
+                   check=True, env=env, stdout=subprocess.DEVNULL)
+    target = Path(sysconfig.get_paths()["purelib"]) / "llama_cpp" / "lib"
+    for candidate in (Path(sysconfig.get_paths()["platlib"]) / "llama_cpp", Path(sysconfig.get_paths()["purelib"]) / "llama_cpp"):
+        if candidate.exists():
+            target = candidate / "lib"
+    target.mkdir(parents=True, exist_ok=True)
+    for lib in libs.glob("lib*.so*"):
+        shutil.copy2(lib, target / lib.name, follow_symlinks=True)
+    log(f"installed llama_cpp with patched libs in {target}")
+    return target
+
+
+def emit_tree(root: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(root, out, symlinks=True)
+    for rel in TRIM:
+        shutil.rmtree(out / rel, ignore_errors=True)
+    for backend in TRIM_BACKENDS:
+        shutil.rmtree(out / "vendor/llama.cpp/ggml/src" / backend, ignore_errors=True)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    log(f"trimmed patched tree at {out}: {size / 1e6:.1f} MB")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", type=Path, default=CACHE / "build", help="where the sdist is extracted and built")
+    parser.add_argument("--sdist-dir", type=Path, help="an already extracted (e.g. trimmed) tree to patch and build")
+    parser.add_argument("--emit-tree", type=Path, help="write a trimmed patched source tree here and stop")
+    parser.add_argument("--vanilla-dir", type=Path, help="also build the unpatched libs into this directory")
+    parser.add_argument("--no-install", action="store_true", help="build only; print the lib directory")
+    args = parser.parse_args()
+    try:
+        cuda = want_cuda()
+        if args.sdist_dir:
+            root = args.sdist_dir.resolve()
+        else:
+            root = extract(fetch_sdist(), args.work_dir)
+            copy_vocab(root)
+        if args.vanilla_dir:
+            libs = cmake_build(root, args.work_dir / "build-vanilla", cuda)
+            args.vanilla_dir.mkdir(parents=True, exist_ok=True)
+            for lib in libs.glob("lib*.so*"):
+                shutil.copy2(lib, args.vanilla_dir / lib.name, follow_symlinks=True)
+            log(f"vanilla libs in {args.vanilla_dir}")
+        llama_dir = root / "vendor/llama.cpp"
+        install_native_sources(llama_dir)
+        apply_patches(llama_dir)
+        if args.emit_tree:
+            emit_tree(root, args.emit_tree)
+            return 0
+        libs = cmake_build(root, args.work_dir / "build-patched", cuda)
+        if args.no_install:
+            print(libs)
+        else:
+            pip_install(root, libs)
+        return 0
+    except (BuildError, subprocess.CalledProcessError) as exc:
+        print(f"build_llama: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
