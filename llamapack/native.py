@@ -124,15 +124,21 @@ def last_error(ctx) -> str:
     return ffi.string(lib().llama_expert_last_error(ctx)).decode(errors="replace")
 
 
-def attach_pool(ctx, base: int, size: int, n_slots: int, tensor_offsets: list[int], tensor_strides: list[int]) -> None:
-    """Attach a host slot pool (see ``llama_expert_pool_desc``); raises NativeError with libllama's reason."""
+def attach_pool(ctx, base: int | None, size: int, n_slots: int, tensor_offsets: list[int],
+                tensor_strides: list[int], device: int = -1) -> int:
+    """Attach a slot pool (see ``llama_expert_pool_desc``) and return its base address.
+
+    ``device=-1``: a host pool at ``base`` that the caller owns. ``device>=0``: ``base`` is None and
+    libllama allocates the pool on that GPU. Raises NativeError with libllama's reason.
+    """
     offsets = ffi.new("uint64_t[]", tensor_offsets)
     strides = ffi.new("uint64_t[]", tensor_strides)
     desc = ffi.new("struct llama_expert_pool_desc *", {
-        "base": ffi.cast("void *", base), "size": size, "n_slots": n_slots, "device": -1,
-        "tensor_offsets": offsets, "tensor_strides": strides})
+        "base": ffi.NULL if base is None else ffi.cast("void *", base), "size": size, "n_slots": n_slots,
+        "device": device, "tensor_offsets": offsets, "tensor_strides": strides})
     if lib().llama_expert_pool_attach(ctx, desc) != 0:
         raise NativeError(last_error(ctx))
+    return int(ffi.cast("uintptr_t", lib().llama_expert_pool_base(ctx)))
 
 
 def set_provider(ctx, callback) -> None:

@@ -40,6 +40,7 @@ void    llama_expert_set_lazy_load(bool enable);
 int32_t llama_model_expert_tensor_count(const struct llama_model * model);
 int32_t llama_model_expert_tensor_get(const struct llama_model * model, int32_t i, struct llama_expert_tensor_info * out);
 int32_t llama_expert_pool_attach(struct llama_context * ctx, const struct llama_expert_pool_desc * desc);
+void *  llama_expert_pool_base(const struct llama_context * ctx);
 int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
 void    llama_expert_detach(struct llama_context * ctx);
 const char * llama_expert_last_error(const struct llama_context * ctx);

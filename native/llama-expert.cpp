@@ -296,6 +296,21 @@ int32_t llama_model_expert_tensor_get(const llama_model * model, int32_t i, llam
     return 0;
 }
 
+static ggml_backend_dev_t gpu_device(int32_t index) {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU && index-- == 0) {
+            return dev;
+        }
+    }
+    return nullptr;
+}
+
+void * llama_expert_pool_base(const llama_context * ctx) {
+    const llama_expert_hook * hook = ctx->expert_hook.get();
+    return hook && hook->pool_buf ? ggml_backend_buffer_get_base(hook->pool_buf.get()) : nullptr;
+}
+
 static int32_t attach_error(llama_expert_hook * hook, const std::string & msg) {
     hook->set_error("pool attach: " + msg);
     return -1;
@@ -310,13 +325,13 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
     if (n_tensors == 0) {
         return attach_error(hook, "the model has no routed-expert tensors");
     }
-    if (desc->device != -1) {
-        return attach_error(hook, "device pools are not supported by this build (device = " + std::to_string(desc->device) + ")");
+    if (desc->n_slots < 1 || desc->tensor_offsets == nullptr || desc->tensor_strides == nullptr) {
+        return attach_error(hook, "need tensor offsets and strides, and at least one slot");
     }
-    if (desc->n_slots < 1 || desc->base == nullptr || desc->tensor_offsets == nullptr || desc->tensor_strides == nullptr) {
-        return attach_error(hook, "need a base pointer, tensor offsets and strides, and at least one slot");
+    if ((desc->device < 0) != (desc->base != nullptr)) {
+        return attach_error(hook, "a host pool (device -1) needs a base pointer; a device pool is allocated here (base NULL)");
     }
-    if ((uintptr_t) desc->base % 64 != 0) {
+    if (desc->base != nullptr && (uintptr_t) desc->base % 64 != 0) {
         return attach_error(hook, "pool base must be 64-byte aligned");
     }
     for (int32_t i = 0; i < n_tensors; ++i) {
@@ -355,11 +370,24 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         /*.no_alloc   =*/ true,
     };
     ggml_context_ptr pool_ctx(ggml_init(params));
-    ggml_backend_buffer_ptr pool_buf(ggml_backend_cpu_buffer_from_ptr(desc->base, desc->size));
+    ggml_backend_buffer_ptr pool_buf;
+    if (desc->device < 0) {
+        pool_buf.reset(ggml_backend_cpu_buffer_from_ptr(desc->base, desc->size));
+    } else {
+        ggml_backend_dev_t dev = gpu_device(desc->device);
+        if (dev == nullptr) {
+            return attach_error(hook, "no GPU device " + std::to_string(desc->device));
+        }
+        pool_buf.reset(ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), desc->size));
+        if (pool_buf) {
+            ggml_backend_buffer_clear(pool_buf.get(), 0); // kernels may read past row ends: tails must be zero
+        }
+    }
     if (!pool_ctx || !pool_buf) {
-        return attach_error(hook, "could not create the pool buffer");
+        return attach_error(hook, "could not create the pool buffer (" + std::to_string(desc->size) + " bytes)");
     }
     ggml_backend_buffer_set_usage(pool_buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    char * base = (char *) ggml_backend_buffer_get_base(pool_buf.get());
 
     std::unordered_map<const ggml_tensor *, ggml_tensor *> pool_tensor;
     std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of;
@@ -372,7 +400,7 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         t->nb[2] = desc->tensor_strides[i];
         t->nb[3] = desc->tensor_strides[i] * desc->n_slots;
         ggml_format_name(t, "llamapack_pool.%s", ti.name);
-        if (ggml_backend_tensor_alloc(pool_buf.get(), t, (char *) desc->base + desc->tensor_offsets[i]) != GGML_STATUS_SUCCESS) {
+        if (ggml_backend_tensor_alloc(pool_buf.get(), t, base + desc->tensor_offsets[i]) != GGML_STATUS_SUCCESS) {
             return attach_error(hook, std::string(ti.name) + ": could not place the pool view");
         }
         pool_tensor[info->weights[i]] = t;

@@ -80,17 +80,23 @@ typedef int32_t (*llama_expert_provider_fn)(
 // A slot pool of n_slots slots in [base, base + size). Slot s of the tensor with index i (as in
 // llama_model_expert_tensor_get) starts at base + tensor_offsets[i] + s*tensor_strides[i]. Kernels index
 // experts in whole blocks (nb02 / type size), so each stride must be a multiple of its type size.
+//
+// device = -1: a host pool the caller owns (base != NULL), computed by the CPU backend.
+// device >= 0: base must be NULL; libllama allocates `size` bytes on that GPU through ggml (zero-filled)
+// and the caller gets the address from llama_expert_pool_base() to fill slots (e.g. CuPy UnownedMemory).
 struct llama_expert_pool_desc {
     void *           base;
     size_t           size;
     int32_t          n_slots;
-    int32_t          device;          // -1: host memory (CPU backend)
+    int32_t          device;          // -1: host memory; >= 0: index among the GPU devices
     const uint64_t * tensor_offsets;  // llama_model_expert_tensor_count(model) entries
     const uint64_t * tensor_strides;  // same
 };
 
 // Returns 0 on success; on error returns -1 and llama_expert_last_error() says why.
 LLAMA_EXPERT_API int32_t llama_expert_pool_attach(struct llama_context * ctx, const struct llama_expert_pool_desc * desc);
+// The pool's base address (host or device pointer), NULL when none is attached.
+LLAMA_EXPERT_API void *  llama_expert_pool_base(const struct llama_context * ctx);
 LLAMA_EXPERT_API int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
 // Drops pool and provider. With lazy experts the context then refuses to decode.
 LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);

@@ -40,7 +40,8 @@ NATIVE_FILES = [("llama-expert.h", "include/llama-expert.h"),
 TRIM = ["vendor/llama.cpp/models", "vendor/llama.cpp/docs", "vendor/llama.cpp/media", "vendor/llama.cpp/tests",
         "vendor/llama.cpp/examples", "vendor/llama.cpp/gguf-py", "vendor/llama.cpp/benches",
         "vendor/llama.cpp/app", "vendor/llama.cpp/pocs", "vendor/llama.cpp/skills", "vendor/llama.cpp/.github",
-        "docs", "tests", "examples", "docker"]
+        "vendor/llama.cpp/tools", "vendor/llama.cpp/conversion", "vendor/llama.cpp/.devops",
+        "docs", "tests", "examples", "docker", ".git"]
 TRIM_BACKENDS = ["ggml-cann", "ggml-et", "ggml-hexagon", "ggml-metal", "ggml-musa", "ggml-opencl", "ggml-openvino",
                  "ggml-sycl", "ggml-virtgpu", "ggml-vulkan", "ggml-webgpu", "ggml-zdnn", "ggml-zendnn", "ggml-blas",
                  "ggml-rpc", "ggml-hip", "ggml-kompute"]
@@ -83,7 +84,10 @@ def extract(sdist: Path, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
         tar.extractall(dest, filter="data")
-    (root / "vendor/llama.cpp/.git").unlink(missing_ok=True)  # a submodule pointer that breaks git apply
+    # the sdist carries git metadata (a submodule pointer, .git/modules): without it git apply cannot
+    # mistake the tree for a repository, where it silently skips paths outside the current directory
+    (root / "vendor/llama.cpp/.git").unlink(missing_ok=True)
+    shutil.rmtree(root / ".git", ignore_errors=True)
     return root
 
 
@@ -102,15 +106,23 @@ def install_native_sources(llama_dir: Path) -> None:
 
 
 def git_apply(llama_dir: Path, patch: Path, *flags: str) -> bool:
-    result = subprocess.run(["git", "apply", *flags, str(patch)], cwd=llama_dir, capture_output=True, text=True)
-    return result.returncode == 0
+    """``git apply`` with these flags; plain ``patch`` where git is missing (e.g. the GPU machine)."""
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(llama_dir.parent))  # never look for a repo above
+    if shutil.which("git"):
+        cmd = ["git", "apply", *flags, str(patch)]
+    else:
+        cmd = ["patch", "-p1", "-s", "-f", "-i", str(patch)]
+        cmd += ["--dry-run"] if "--check" in flags else []
+        cmd += ["-R"] if "--reverse" in flags else []
+    return subprocess.run(cmd, cwd=llama_dir, capture_output=True, text=True, env=env).returncode == 0
 
 
 def apply_patches(llama_dir: Path) -> None:
     """Apply patches/*.patch once: an applied patch is detected (reverse check) and skipped."""
     for patch in PATCHES:
         if git_apply(llama_dir, patch, "--check"):
-            git_apply(llama_dir, patch)
+            if not git_apply(llama_dir, patch) or not git_apply(llama_dir, patch, "--reverse", "--check"):
+                raise BuildError(f"{patch.name} passed its check but is not applied in {llama_dir}")
             log(f"applied {patch.name}")
         elif git_apply(llama_dir, patch, "--reverse", "--check"):
             log(f"already applied: {patch.name}")
@@ -147,10 +159,20 @@ def cmake_build(root: Path, build_dir: Path, cuda: bool) -> Path:
                    stdout=subprocess.DEVNULL)
     log(f"building with {jobs} jobs (a few minutes on 2 cores)")
     subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama", "-j", jobs], check=True)
-    libs = build_dir / "vendor/llama.cpp/bin"
+    libs = build_dir / "bin"
     if not (libs / "libllama.so").exists():
         raise BuildError(f"no libllama.so under {libs}")
     return libs
+
+
+def copy_libs(libs: Path, target: Path) -> None:
+    """Copy lib*.so* (links resolved); each lands under a temporary name and is renamed into place, so a
+    process that has the old library mapped keeps its inode."""
+    target.mkdir(parents=True, exist_ok=True)
+    for lib in libs.glob("lib*.so*"):
+        tmp = target / f".{lib.name}.tmp"
+        shutil.copy2(lib, tmp, follow_symlinks=True)
+        os.replace(tmp, target / lib.name)
 
 
 def pip_install(root: Path, libs: Path) -> Path:
@@ -163,8 +185,7 @@ def pip_install(root: Path, libs: Path) -> Path:
         if candidate.exists():
             target = candidate / "lib"
     target.mkdir(parents=True, exist_ok=True)
-    for lib in libs.glob("lib*.so*"):
-        shutil.copy2(lib, target / lib.name, follow_symlinks=True)
+    copy_libs(libs, target)
     log(f"installed llama_cpp with patched libs in {target}")
     return target
 
@@ -199,8 +220,7 @@ def main() -> int:
         if args.vanilla_dir:
             libs = cmake_build(root, args.work_dir / "build-vanilla", cuda)
             args.vanilla_dir.mkdir(parents=True, exist_ok=True)
-            for lib in libs.glob("lib*.so*"):
-                shutil.copy2(lib, args.vanilla_dir / lib.name, follow_symlinks=True)
+            copy_libs(libs, args.vanilla_dir)
             log(f"vanilla libs in {args.vanilla_dir}")
         llama_dir = root / "vendor/llama.cpp"
         install_native_sources(llama_dir)

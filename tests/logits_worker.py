@@ -26,39 +26,92 @@ def prompt_tokens(llm, n_tokens: int) -> list[int]:
     return tokens[:n_tokens]
 
 
-def run(spec: dict) -> dict:
+def load(spec: dict):
+    """Load the model as the spec says; returns (llm, provider or None)."""
     import llama_cpp
 
+    from llamapack.compat import model_params_override
+
     kwargs = dict(model_path=spec["model"], n_ctx=spec.get("n_ctx", 256), n_batch=512,
+                  n_gpu_layers=spec.get("n_gpu_layers", 0),
                   n_ubatch=spec["n_ubatch"], logits_all=True, n_threads=spec.get("n_threads", 2),
                   n_threads_batch=spec.get("n_threads", 2), verbose=False, seed=0)
-    provider = None
-    if spec["mode"] == "hook":
+    with model_params_override(use_extra_bufts=spec.get("repack", False)):
+        if spec["mode"] == "vanilla":
+            return llama_cpp.Llama(**kwargs), None
         from llamapack import native
         from llamapack.provider.reference import ReferenceProvider
 
         with native.lazy_experts_load():
             llm = llama_cpp.Llama(**kwargs)
-        provider = ReferenceProvider(native.model_ptr(llm._model), native.context_ptr(llm._ctx),
-                                     [spec.get("serve_from", spec["model"])], n_slots=spec["n_slots"])
-    else:
-        llm = llama_cpp.Llama(**kwargs)
+    if spec["mode"] == "lazy_no_provider":
+        return llm, None
+    from llamapack.pack import GgufDirectReader, PackReader
 
-    prompt = prompt_tokens(llm, spec["n_prompt"])
+    source = spec.get("serve_from", spec["model"])
+    reader = PackReader(source, model=spec["model"]) if spec.get("pack") else GgufDirectReader(source)
+    provider = ReferenceProvider(native.model_ptr(llm._model), native.context_ptr(llm._ctx), reader,
+                                 n_slots=spec["n_slots"], device=spec.get("device", -1))
+    return llm, provider
+
+
+def inject_fault(provider, kind: str, at_acquire: int) -> None:
+    """Make the provider's ``at_acquire``-th acquire fail: raise (``io``) or return a bad slot id (``bad_slot``)."""
+    from llamapack.errors import PackIOError
+
+    real_acquire = provider.acquire
+    calls = {"n": 0}
+
+    def acquire(layer, ids):
+        calls["n"] += 1
+        if calls["n"] == at_acquire:
+            if kind == "io":
+                raise PackIOError(f"injected EIO at layer {layer}")
+            return np.full(len(ids), provider.n_slots + 3, dtype=np.int32)
+        return real_acquire(layer, ids)
+
+    provider.acquire = acquire
+
+
+def greedy_logits(llm, prompt: list[int], n_decode: int) -> np.ndarray:
+    llm.reset()
     llm.eval(prompt)
     rows = [llm.scores[: llm.n_tokens].copy()]
-    for _ in range(spec["n_decode"]):
+    for _ in range(n_decode):
         next_token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         llm.eval([next_token])
         rows.append(llm.scores[llm.n_tokens - 1: llm.n_tokens].copy())
-    logits = np.concatenate(rows)
+    return np.concatenate(rows)
+
+
+def run(spec: dict) -> dict:
+    from llamapack import native
+
+    llm, provider = load(spec)
+    prompt = prompt_tokens(llm, spec["n_prompt"])
+    result: dict = {}
+    if spec["mode"] == "lazy_no_provider" or "fault" in spec:
+        if provider is not None:
+            inject_fault(provider, spec["fault"], spec.get("fault_at", 3))
+        try:
+            llm.eval(prompt)
+            result["decode_error"] = None
+        except RuntimeError as exc:
+            result["decode_error"] = str(exc)
+        if provider is not None:
+            result["native_error"] = native.last_error(native.context_ptr(llm._ctx))
+            result["provider_error"] = repr(provider.error)
+    if spec["mode"] == "lazy_no_provider":
+        llm.close()
+        return result
+    logits = greedy_logits(llm, prompt, spec["n_decode"])
     np.save(spec["out"], logits)
-    result = {"n_rows": int(logits.shape[0]), "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    result.update(n_rows=int(logits.shape[0]), max_rss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if provider is not None:
         s = provider.stats
         result.update(cache_hits=s.cache_hits, cache_misses=s.cache_misses, cache_evictions=s.cache_evictions,
                       read_bytes=s.read_bytes, acquires=s.acquires, slot_bytes=provider.layout.slot_bytes,
-                      n_slots=provider.n_slots, pool_bytes=int(provider.pool.nbytes))
+                      n_slots=provider.n_slots, pool_bytes=provider.layout.pool_bytes)
         provider.close()
     llm.close()
     return result

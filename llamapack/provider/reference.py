@@ -1,19 +1,21 @@
-"""Reference host-memory expert provider.
+"""Reference expert provider: the simplest correct one.
 
-The simplest correct provider: a numpy slot pool, plain ``pread`` of each expert's bytes straight from the
-GGUF, LRU eviction that never evicts an expert the current step uses. It exists to prove the hook is
-bit-exact and to be the yardstick for the real provider (O_DIRECT, pinned staging, CuPy, LFU/LRU).
+A slot pool (numpy in host memory, or device memory libllama allocates on a GPU, written through CuPy),
+one expert read at a time through an ``ExpertReader`` (an expert pack, or GGUF-direct) into an aligned
+staging block, each role copied to its slot region, LRU eviction that never evicts an expert the current
+step uses. It proves the hook bit-exact and is the yardstick for the real provider (pinned staging,
+parallel O_DIRECT reads, async copies, LFU/LRU).
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import native
-from ..errors import CapacityError, PackIOError
+from ..errors import CapacityError, ModelMismatchError
+from ..pack import alloc_slot
 from .slots import SlotLayout, aligned_empty
 
 ffi = native.ffi
@@ -21,7 +23,7 @@ ffi = native.ffi
 
 @dataclass
 class ProviderStats:
-    """Counters of one provider. Misses and hits count distinct (layer, expert) keys per acquire."""
+    """Counters of one provider. Hits and misses count distinct (layer, expert) keys per acquire."""
 
     acquires: int = 0
     cache_hits: int = 0
@@ -29,36 +31,64 @@ class ProviderStats:
     cache_evictions: int = 0
     read_bytes: int = 0
     io_errors: int = 0
-    requested_keys: list[tuple[int, int]] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_reader_matches_model(reader_layout, tensors) -> None:
+    """The reader's layout must describe exactly the expert tensors libllama loaded (fail closed)."""
+    by_key = {(t.layer, t.role): t for t in tensors}
+    seen = set()
+    for layer in reader_layout.layers:
+        for entry in layer.roles:
+            t = by_key.get((layer.layer, entry.role))
+            where = f"layer {layer.layer} role {entry.role}"
+            if t is None:
+                raise ModelMismatchError(f"{where}: in the expert source but not in the loaded model")
+            if entry.ggml_type != t.ggml_type or tuple(entry.ne) != tuple(t.ne[:3]) or entry.nbytes != t.expert_nbytes:
+                raise ModelMismatchError(
+                    f"{where}: expert source has type {entry.ggml_type} shape {list(entry.ne)}, the model has "
+                    f"type {t.ggml_type} shape {list(t.ne[:3])}")
+            seen.add((layer.layer, entry.role))
+    missing = sorted(set(by_key) - seen)
+    if missing:
+        raise ModelMismatchError(f"the expert source lacks {missing[0][1]} of layer {missing[0][0]} "
+                                 f"(and {len(missing) - 1} more)")
 
 
 class ReferenceProvider:
-    """Serves routed experts from GGUF file(s) into a host slot pool attached to one llama context.
+    """Serves routed experts from ``reader`` into a slot pool attached to one llama context.
 
-    ``gguf_paths`` lists the model's files in split order (one path for an unsplit model).
+    ``device`` -1 keeps the pool in host memory (CPU compute); N >= 0 puts it on GPU N (compute there).
     """
 
-    def __init__(self, model_ptr, ctx_ptr, gguf_paths: list[str], n_slots: int, record_trace: bool = False):
-        self.tensors = native.expert_tensors(model_ptr)
+    def __init__(self, model_ptr, ctx_ptr, reader, n_slots: int, device: int = -1):
         if n_slots < 1:
             raise CapacityError(f"a slot pool needs at least one slot (asked for {n_slots})")
+        self.tensors = native.expert_tensors(model_ptr)
+        check_reader_matches_model(reader.layout, self.tensors)
+        self.reader = reader
         self.layout = SlotLayout.from_tensors(self.tensors, n_slots)
         self.n_slots = n_slots
-        self.pool = aligned_empty(self.layout.pool_bytes)
-        self.pool[:] = 0
-        self._ctx = ctx_ptr
-        self._files = [os.open(p, os.O_RDONLY) for p in gguf_paths]
-        self._paths = list(gguf_paths)
+        self.device = device
+        self.stats = ProviderStats()
+        self.error: BaseException | None = None
+        self._staging = alloc_slot(reader.layout)
         self._slot_of: OrderedDict[tuple[int, int], int] = OrderedDict()  # LRU order, oldest first
         self._free = list(range(n_slots - 1, -1, -1))
-        self._by_layer = self.layout.tensors_by_layer
-        self.stats = ProviderStats()
-        self._record = record_trace
-        self.error: BaseException | None = None
+        self._host_pool = None
+        host_base = None
+        if device < 0:
+            self._host_pool = aligned_empty(self.layout.pool_bytes)
+            self._host_pool[:] = 0  # kernels may read past row ends: tails stay zero
+            host_base = self._host_pool.ctypes.data
+        self._ctx = ctx_ptr
         self._callback = ffi.callback(
             "int32_t(void *, int32_t, const int32_t *, int32_t, int32_t, int32_t *)", self._provide)
-        native.attach_pool(ctx_ptr, self.pool.ctypes.data, self.pool.nbytes, n_slots,
-                           self.layout.tensor_offsets(self.tensors), self.layout.tensor_strides(self.tensors))
+        self.pool_base = native.attach_pool(
+            ctx_ptr, host_base, self.layout.pool_bytes, n_slots,
+            self.layout.tensor_offsets(self.tensors), self.layout.tensor_strides(self.tensors), device=device)
         native.set_provider(ctx_ptr, self._callback)
 
     # called from llama.cpp's compute thread, once per MoE layer per ubatch
@@ -68,6 +98,10 @@ class ReferenceProvider:
             ids = np.frombuffer(ffi.buffer(ids_ptr, 4 * n), dtype=np.int32)
             slots = np.frombuffer(ffi.buffer(slots_ptr, 4 * n), dtype=np.int32)
             slots[:] = self.acquire(layer, ids)
+            if self.device >= 0:
+                import cupy
+
+                cupy.cuda.runtime.deviceSynchronize()  # every copy done before compute reads the slots
             return 0
         except BaseException as exc:  # noqa: BLE001 - must not unwind into C; reported by the caller
             self.error = exc
@@ -83,8 +117,6 @@ class ReferenceProvider:
         active = {(layer, e) for e in distinct}
         for expert in distinct:
             key = (layer, expert)
-            if self._record:
-                self.stats.requested_keys.append(key)
             if key in self._slot_of:
                 self.stats.cache_hits += 1
                 self._slot_of.move_to_end(key)
@@ -106,34 +138,31 @@ class ReferenceProvider:
         raise CapacityError("every slot holds an expert the current step uses")  # unreachable after the size check
 
     def _load(self, layer: int, expert: int, slot: int) -> None:
-        """Read every role of the expert into the slot; on failure the slot goes back to the free list."""
+        """Read the expert and copy each role into the slot; on failure the slot goes back to the free list
+        (it is mapped to no expert, so nothing computes on its partial bytes)."""
         try:
-            for info in self._by_layer[layer]:
-                self._load_role(info, expert, slot)
+            block = self.reader.read_expert(layer, expert, self._staging)
         except BaseException:
+            self.stats.io_errors += 1
             self._free.append(slot)
             raise
+        self.stats.read_bytes += self.reader.layout.expert_stride
+        for info in self.layout.tensors_by_layer[layer]:
+            entry = self.reader.layout.layer_layout(layer).role(info.role)
+            payload = block[entry.offset:entry.offset + entry.nbytes]
+            self._write(self.layout.slot_offset(info.role, slot), payload)
 
-    def _load_role(self, info, expert: int, slot: int) -> None:
-        size = info.expert_nbytes
-        offset = info.file_offset + expert * size
-        path = self._paths[info.file_idx]
-        try:
-            data = os.pread(self._files[info.file_idx], size, offset)
-        except OSError as exc:
-            self.stats.io_errors += 1
-            raise PackIOError(f"{path}: reading layer {info.layer} expert {expert} {info.role} "
-                              f"at offset {offset}: {exc}") from exc
-        if len(data) != size:
-            self.stats.io_errors += 1
-            raise PackIOError(f"{path}: short read for layer {info.layer} expert {expert} {info.role} "
-                              f"at offset {offset}: {len(data)} of {size} bytes")
-        start = self.layout.slot_offset(info.role, slot)
-        self.pool[start:start + size] = np.frombuffer(data, dtype=np.uint8)
-        self.stats.read_bytes += size
+    def _write(self, pool_offset: int, payload: np.ndarray) -> None:
+        if self.device < 0:
+            self._host_pool[pool_offset:pool_offset + payload.nbytes] = payload
+        else:
+            import cupy
+
+            cupy.cuda.runtime.memcpy(self.pool_base + pool_offset, payload.ctypes.data, payload.nbytes,
+                                     cupy.cuda.runtime.memcpyHostToDevice)
 
     def close(self) -> None:
-        native.detach(self._ctx)
-        for fd in self._files:
-            os.close(fd)
-        self._files = []
+        if self._ctx is not None:
+            native.detach(self._ctx)
+            self._ctx = None
+        self.reader.close()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (no network), from the repo root, through the device tool:
+#   run(command="bash bench/device_cuda.sh", carry=[".devtree", ".whl"])
+# Prepared here first:
+#   python scripts/build_llama.py --work-dir /tmp/emit --emit-tree .devtree/src   # trimmed patched tree, ~22 MB
+#   mkdir -p .devtree/vocab && cp ~/.cache/llamapack/vocab/ggml-vocab-{gpt-2,llama-spm}.gguf .devtree/vocab/
+#   pip download cffi, pycparser, gguf wheels for cp312 into .whl (see the device README)
+# Builds the patched libs with CUDA for sm_90 through scripts/build_llama.py, then the vanilla libllama from
+# the same build tree with the patch reversed (libggml* are untouched by the patch), then compares logits.
+# Stage 2 (`bash bench/device_cuda.sh compare`) reuses the build while the machine is still warm.
+set -euo pipefail
+repo="$(pwd)"
+out="${OUT:-$repo/.devout}"
+mkdir -p "$out"
+stage="${1:-all}"
+build="$repo/.devbuild"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$repo/.devtree/src:$repo"
+export LLAMAPACK_VOCAB_DIR="$repo/.devtree/vocab"
+
+if [ "$stage" = all ] || [ "$stage" = build ]; then
+    { nvidia-smi -L; nproc; python3 --version; python3 -c 'import cupy; print("cupy", cupy.__version__)'; } > "$out/machine.txt" 2>&1
+    start=$(date +%s)
+    LLAMAPACK_CUDA="${LLAMAPACK_CUDA:-1}" LLAMAPACK_CUDA_ARCHS=90 LLAMAPACK_JOBS="${LLAMAPACK_JOBS:-16}" \
+        python3 scripts/build_llama.py --sdist-dir .devtree/src --work-dir "$build" --no-install > "$out/build.log" 2>&1
+    mkdir -p "$build/patched" "$build/vanilla"
+    cp -L "$build"/build-patched/bin/lib*.so* "$build/patched/"
+    (cd .devtree/src/vendor/llama.cpp && patch -R -p1 -s < "$repo/patches/0001-expert-provider-hook.patch")
+    cmake --build "$build/build-patched" --target llama -j "${LLAMAPACK_JOBS:-16}" >> "$out/build.log" 2>&1
+    cp -L "$build"/build-patched/bin/lib*.so* "$build/vanilla/"
+    (cd .devtree/src/vendor/llama.cpp && patch -p1 -s < "$repo/patches/0001-expert-provider-hook.patch")
+    echo "build seconds: $(( $(date +%s) - start ))" >> "$out/machine.txt"
+fi
+if [ "$stage" = all ] || [ "$stage" = compare ]; then
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact.json" --device "${POOL_DEVICE:-0}" ${ARCHS:+--archs $ARCHS} \
+        ${UBATCH:+--ubatch $UBATCH} 2>&1 | tail -40
+fi

@@ -1,0 +1,4 @@
+from llamapack.cli import main
+
+if __name__ == "__main__":
+    main(prog_name="llamapack")

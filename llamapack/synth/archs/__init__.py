@@ -1,0 +1,16 @@
+"""One module per llama.cpp architecture; each exposes ARCH, add_metadata(w, spec), plan_tensors(spec, n_vocab)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import deepseek2, gpt_oss, llama_moe, qwen3moe
+
+ARCHS: dict[str, ModuleType] = {m.ARCH: m for m in (qwen3moe, deepseek2, gpt_oss, llama_moe)}
+
+
+def arch_module(arch: str) -> ModuleType:
+    try:
+        return ARCHS[arch]
+    except KeyError:
+        raise ValueError(f"no synthetic generator for arch {arch!r} (have: {', '.join(sorted(ARCHS))})") from None

@@ -1,0 +1,74 @@
+"""scripts/build_llama.py and scripts/regen_patches.py: pin check, idempotent patching, clear failure, round trip.
+
+Works on the files the patch touches, extracted from the pinned sdist in the llamapack cache (which the
+README's setup step downloads and verifies).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import build_llama  # noqa: E402
+import regen_patches  # noqa: E402
+
+PATCH = REPO / "patches" / "0001-expert-provider-hook.patch"
+
+
+def touched_files() -> list[str]:
+    return re.findall(r"^diff --git a/(\S+) ", PATCH.read_text(), flags=re.M)
+
+
+@pytest.fixture
+def pristine_subset(tmp_path) -> Path:
+    """The files the patch touches, as the pinned sdist has them, in a vendor/llama.cpp-shaped directory."""
+    sdist = build_llama.fetch_sdist()  # verifies the sha256 pin
+    prefix = f"llama_cpp_python-{build_llama.LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    wanted = {prefix + rel for rel in touched_files()}
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name in wanted]
+        tar.extractall(tmp_path / "x", members=members, filter="data")
+    root = tmp_path / "x" / prefix
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == sorted(touched_files())
+    return root
+
+
+def test_patch_applies_once_and_is_then_detected(pristine_subset, capsys):
+    build_llama.apply_patches(pristine_subset)
+    assert "applied 0001" in capsys.readouterr().out
+    assert "llama-expert.h" in (pristine_subset / "include/llama.h").read_text()
+    build_llama.apply_patches(pristine_subset)  # second run: skipped, nothing doubled
+    assert "already applied: 0001" in capsys.readouterr().out
+    assert (pristine_subset / "include/llama.h").read_text().count("llama-expert.h") == 1
+
+
+def test_patch_that_does_not_apply_says_how_to_regenerate(pristine_subset):
+    graph = pristine_subset / "src/llama-graph.cpp"
+    graph.write_text(graph.read_text().replace("ggml_build_forward_expand(gf, weights);", "/* upstream moved */"))
+    with pytest.raises(build_llama.BuildError, match="Regenerate it against the pinned version"):
+        build_llama.apply_patches(pristine_subset)
+
+
+def test_regenerating_from_a_patched_tree_gives_the_committed_patch(pristine_subset, tmp_path):
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(pristine_subset, edited)
+    build_llama.apply_patches(edited)
+    files = regen_patches.changed_files(pristine_subset, edited)
+    assert sorted(files) == sorted(touched_files())
+    assert regen_patches.diff(pristine_subset, edited, files) == PATCH.read_text()
+
+
+def test_sdist_with_wrong_hash_is_refused(tmp_path, monkeypatch):
+    fake_cache = tmp_path / "cache"
+    (fake_cache / "sdist").mkdir(parents=True)
+    (fake_cache / "sdist" / build_llama.SDIST_NAME).write_bytes(b"not the sdist")
+    monkeypatch.setattr(build_llama, "CACHE", fake_cache)
+    with pytest.raises(build_llama.BuildError, match="does not match the pin"):
+        build_llama.fetch_sdist()
