@@ -26,10 +26,14 @@ if [ "$stage" = all ] || [ "$stage" = build ]; then
         python3 scripts/build_llama.py --sdist-dir .devtree/src --work-dir "$build" --no-install > "$out/build.log" 2>&1
     mkdir -p "$build/patched" "$build/vanilla"
     cp -L "$build"/build-patched/bin/lib*.so* "$build/patched/"
-    (cd .devtree/src/vendor/llama.cpp && patch -R -p1 -s < "$repo/patches/0001-expert-provider-hook.patch")
+    reverse_patch() {  # git or patch, whichever the machine has (build_llama.git_apply)
+        python3 -c "import sys; sys.path.insert(0, 'scripts'); import build_llama as b; from pathlib import Path; \
+sys.exit(0 if b.git_apply(Path('.devtree/src/vendor/llama.cpp'), Path('patches/0001-expert-provider-hook.patch'), *sys.argv[1:]) else 1)" "$@"
+    }
+    reverse_patch --reverse
     cmake --build "$build/build-patched" --target llama -j "${LLAMAPACK_JOBS:-16}" >> "$out/build.log" 2>&1
     cp -L "$build"/build-patched/bin/lib*.so* "$build/vanilla/"
-    (cd .devtree/src/vendor/llama.cpp && patch -p1 -s < "$repo/patches/0001-expert-provider-hook.patch")
+    reverse_patch  # and forward again: the tree stays patched
     echo "build seconds: $(( $(date +%s) - start ))" >> "$out/machine.txt"
 fi
 if [ "$stage" = all ] || [ "$stage" = compare ]; then
