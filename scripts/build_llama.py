@@ -107,6 +107,7 @@ def install_native_sources(llama_dir: Path) -> None:
 
 def git_apply(llama_dir: Path, patch: Path, *flags: str) -> bool:
     """``git apply`` with these flags; plain ``patch`` where git is missing (e.g. the GPU machine)."""
+    llama_dir, patch = llama_dir.resolve(), patch.resolve()
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(llama_dir.parent))  # never look for a repo above
     if shutil.which("git"):
         cmd = ["git", "apply", *flags, str(patch)]
