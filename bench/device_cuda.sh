@@ -13,7 +13,7 @@ repo="$(pwd)"
 out="${OUT:-$repo/.devout}"
 mkdir -p "$out"
 stage="${1:-all}"
-build="$repo/.devbuild"
+build="${DEVBUILD:-/tmp/llamapack-devbuild}"  # outside the repo: kept while the machine stays warm
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$repo/.devtree/src:$repo"

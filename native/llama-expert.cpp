@@ -400,6 +400,13 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         t->nb[2] = desc->tensor_strides[i];
         t->nb[3] = desc->tensor_strides[i] * desc->n_slots;
         ggml_format_name(t, "llamapack_pool.%s", ti.name);
+        // the backend may pad past the last slot (CUDA pads quantized rows to 512 elements)
+        if (desc->tensor_offsets[i] + ggml_backend_buffer_get_alloc_size(pool_buf.get(), t) > desc->size) {
+            return attach_error(hook, std::string(ti.name) + ": the backend needs " +
+                                std::to_string(ggml_backend_buffer_get_alloc_size(pool_buf.get(), t)) +
+                                " bytes from offset " + std::to_string(desc->tensor_offsets[i]) +
+                                ", past the end of the pool (" + std::to_string(desc->size) + " bytes)");
+        }
         if (ggml_backend_tensor_alloc(pool_buf.get(), t, base + desc->tensor_offsets[i]) != GGML_STATUS_SUCCESS) {
             return attach_error(hook, std::string(ti.name) + ": could not place the pool view");
         }

@@ -30,7 +30,7 @@ def run_worker(spec: dict, tmp_path: Path, vanilla: bool = False, timeout: int =
     """
     spec_path = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     env.pop("LLAMA_CPP_LIB_PATH", None)
     if vanilla:
         env["LLAMA_CPP_LIB_PATH"] = str(vanilla_lib_dir())

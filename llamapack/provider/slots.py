@@ -67,7 +67,9 @@ class SlotLayout:
             cursor = align_up(cursor + strides[role] * n_slots)
         layers = {layer: tuple(sorted(infos, key=lambda i: ROLE_ORDER.index(i.role)))
                   for layer, infos in by_layer.items()}
-        return cls(n_slots=n_slots, role_stride=strides, role_region=regions, pool_bytes=max(cursor, ALIGNMENT),
+        # one page of zeros after the last region: CUDA pads quantized rows to 512 elements (it reads past the
+        # last slot's last row, and ggml_backend_tensor_alloc checks that the padded size fits the buffer)
+        return cls(n_slots=n_slots, role_stride=strides, role_region=regions, pool_bytes=cursor + ALIGNMENT,
                    tensors_by_layer=layers)
 
     @property

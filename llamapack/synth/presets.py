@@ -12,7 +12,9 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as Q
 
 from .archs.deepseek2 import Deepseek2Params
+from .archs.deepseek4 import Deepseek4Params
 from .archs.gpt_oss import GptOssParams
+from .archs.kimi_k3 import KimiK3Params
 from .spec import ExpertQuant, ModelSpec
 
 Q4K_Q6K = ExpertQuant(gate_up=Q.Q4_K, down=Q.Q6_K)
@@ -68,6 +70,26 @@ MIXTRAL_TINY = ModelSpec(
     description="llama + experts (Mixtral), 3 layers x 8 experts top-2; Q4_K/Q6_K, Q2_K/Q3_K, F16 experts",
 )
 
+DEEPSEEK4_TINY = ModelSpec(
+    name="deepseek4-tiny", arch="deepseek4", vocab="gpt-2",
+    n_layer=4, n_embd=256, n_head=4, n_head_kv=1, head_dim=128,
+    n_expert=16, n_expert_used=4, n_ff_exp=256,
+    expert_quant=(ExpertQuant(gate_up=Q.MXFP4, down=Q.MXFP4),),
+    extra=Deepseek4Params(),
+    description="DeepSeek-V4-Flash shape: 4 layers (2 hash-routed, compress ratios 0/4/128/4) x 16 MXFP4 "
+                "experts top-4, sqrt-softplus routing, 1 shared expert, hyper-connections",
+)
+
+KIMI_K3_TINY = ModelSpec(
+    name="kimi-k3-tiny", arch="kimi-k3", vocab="gpt-2",
+    n_layer=4, n_embd=256, n_head=4, n_head_kv=1, head_dim=64,
+    n_expert=16, n_expert_used=4, n_ff_exp=256,
+    expert_quant=(ExpertQuant(gate_up=Q.Q2_K, down=Q.Q3_K),),
+    extra=KimiK3Params(),
+    description="Kimi-K3 shape: 3 KDA + 1 MLA layers, 1 dense + 3 latent-MoE layers x 16 experts top-4 "
+                "(Q2_K gate/up, Q3_K down), sigmoid routing, 1 shared expert, attention residuals",
+)
+
 QWEN3MOE_RSS = ModelSpec(
     name="qwen3moe-rss", arch="qwen3moe", vocab="llama-spm",
     n_layer=24, n_embd=1024, n_head=8, n_head_kv=2, head_dim=128,
@@ -87,6 +109,8 @@ QWEN3MOE_30B_A3B = ModelSpec(
 
 PRESETS: dict[str, ModelSpec] = {s.name: s for s in (
     QWEN3MOE_TINY, DEEPSEEK2_TINY, DEEPSEEK2_TINY_FUSED, GPT_OSS_TINY, MIXTRAL_TINY,
-    QWEN3MOE_RSS, QWEN3MOE_30B_A3B)}
+    DEEPSEEK4_TINY, KIMI_K3_TINY, QWEN3MOE_RSS, QWEN3MOE_30B_A3B)}
 
-TINY_PRESETS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tiny", "mixtral-tiny")
+# deepseek4-tiny is not listed: like the converted model it has one expert type (MXFP4) in every layer
+TINY_PRESETS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tiny", "mixtral-tiny",
+                "kimi-k3-tiny")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import deepseek2, gpt_oss, llama_moe, qwen3moe
+from . import deepseek2, deepseek4, gpt_oss, kimi_k3, llama_moe, qwen3moe
 
-ARCHS: dict[str, ModuleType] = {m.ARCH: m for m in (qwen3moe, deepseek2, gpt_oss, llama_moe)}
+ARCHS: dict[str, ModuleType] = {m.ARCH: m for m in (qwen3moe, deepseek2, gpt_oss, llama_moe, deepseek4, kimi_k3)}
 
 
 def arch_module(arch: str) -> ModuleType:

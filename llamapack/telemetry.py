@@ -1,0 +1,183 @@
+"""Provider telemetry: counters a provider accumulates, frozen snapshots of them, and a JSON stats file.
+
+``CounterAccumulator`` is what the provider increments (thread-safe: one lock); ``snapshot()`` returns a
+frozen ``ProviderCounters`` with the derived numbers (hit rate, bytes per token) and ``to_json()``.
+``StatsFlusher`` rewrites a stats file atomically (temporary file in the same folder, then rename) every N
+acquires, so a reader sees either the previous complete file or the new complete one, never a torn one.
+
+Conventions: cache hits and misses count distinct (layer, expert) keys per acquire; ``tokens`` counts each
+token once (the provider adds a ubatch's tokens once, not once per MoE layer); the ``*_wait_s`` fields are
+seconds the provider spent waiting on pack reads and on host-to-device copies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class ProviderCounters:
+    """One consistent snapshot of a provider's counters."""
+
+    acquires: int = 0
+    tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_evictions: int = 0
+    pack_read_bytes: int = 0
+    h2d_bytes: int = 0
+    fallback_count: int = 0  # requests served by a fallback path instead of the fast one
+    io_errors: int = 0
+    read_wait_s: float = 0.0
+    copy_wait_s: float = 0.0
+
+    @property
+    def lookups(self) -> int:
+        return self.cache_hits + self.cache_misses
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Hits / (hits + misses); None before the first lookup."""
+        return self.cache_hits / self.lookups if self.lookups else None
+
+    @property
+    def read_bytes_per_token(self) -> float | None:
+        return self.pack_read_bytes / self.tokens if self.tokens else None
+
+    @property
+    def h2d_bytes_per_token(self) -> float | None:
+        return self.h2d_bytes / self.tokens if self.tokens else None
+
+    def minus(self, earlier: ProviderCounters) -> ProviderCounters:
+        """The counts between ``earlier`` and this snapshot (for a window's rates)."""
+        return ProviderCounters(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate, "read_bytes_per_token": self.read_bytes_per_token,
+                "h2d_bytes_per_token": self.h2d_bytes_per_token}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+
+COUNTER_NAMES = tuple(f.name for f in fields(ProviderCounters))
+
+
+class CounterAccumulator:
+    """The mutable side: thread-safe increments, frozen snapshots."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values = asdict(ProviderCounters())
+
+    def add(self, **deltas: float) -> None:
+        """Add to counters by name, e.g. ``add(pack_read_bytes=n, read_wait_s=t)``; deltas must be >= 0."""
+        for name, delta in deltas.items():
+            if name not in self._values:
+                raise TypeError(f"no provider counter named {name!r} (known: {', '.join(COUNTER_NAMES)})")
+            if delta < 0:
+                raise ValueError(f"counter {name} can only grow (got {delta})")
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def record_acquire(self, hits: int, misses: int, evictions: int, tokens: int = 0) -> None:
+        self.add(acquires=1, cache_hits=hits, cache_misses=misses, cache_evictions=evictions, tokens=tokens)
+
+    def record_read(self, nbytes: int, wait_s: float = 0.0) -> None:
+        self.add(pack_read_bytes=nbytes, read_wait_s=wait_s)
+
+    def record_copy(self, nbytes: int, wait_s: float = 0.0) -> None:
+        self.add(h2d_bytes=nbytes, copy_wait_s=wait_s)
+
+    def record_fallback(self) -> None:
+        self.add(fallback_count=1)
+
+    def record_io_error(self) -> None:
+        self.add(io_errors=1)
+
+    @contextmanager
+    def timing(self, wait_counter: str) -> Iterator[None]:
+        """Add the seconds the ``with`` body takes to ``wait_counter`` (``read_wait_s`` or ``copy_wait_s``)."""
+        if wait_counter not in ("read_wait_s", "copy_wait_s"):
+            raise TypeError(f"not a wait counter: {wait_counter!r}")
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(**{wait_counter: time.perf_counter() - started})
+
+    def snapshot(self) -> ProviderCounters:
+        with self._lock:
+            return ProviderCounters(**self._values)
+
+    def reset(self) -> ProviderCounters:
+        """Zero every counter; returns the snapshot taken just before."""
+        with self._lock:
+            final = ProviderCounters(**self._values)
+            self._values = asdict(ProviderCounters())
+        return final
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``."""
+    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                         delete=False, encoding="utf-8")
+    try:
+        with handle:
+            handle.write(text)
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+
+
+class StatsFlusher:
+    """Writes ``counters`` as JSON to ``path`` every ``every_acquires`` acquires; does nothing without a path.
+
+    The provider calls ``maybe_flush()`` after each acquire and ``flush()`` when it closes. Write errors
+    (disk full, folder gone) propagate to the caller.
+    """
+
+    def __init__(self, counters: CounterAccumulator, path: str | os.PathLike | None, every_acquires: int = 256):
+        if every_acquires < 1:
+            raise ValueError(f"every_acquires must be >= 1 (got {every_acquires})")
+        self.counters = counters
+        self.path = Path(path) if path is not None else None
+        self.every_acquires = every_acquires
+        self.writes = 0
+        self._lock = threading.Lock()
+        self._flushed_at = 0  # the acquires count of the last write
+
+    def maybe_flush(self) -> bool:
+        """Write if ``every_acquires`` acquires have passed since the last write; True if it wrote."""
+        if self.path is None:
+            return False
+        with self._lock:
+            snapshot = self.counters.snapshot()
+            if snapshot.acquires < self._flushed_at:  # the counters were reset since the last write
+                self._flushed_at = 0
+            if snapshot.acquires - self._flushed_at < self.every_acquires:
+                return False
+            self._write(snapshot)
+            return True
+
+    def flush(self) -> bool:
+        """Write now; True if there is a path to write to."""
+        if self.path is None:
+            return False
+        with self._lock:
+            self._write(self.counters.snapshot())
+            return True
+
+    def _write(self, snapshot: ProviderCounters) -> None:
+        write_text_atomically(self.path, snapshot.to_json() + "\n")
+        self._flushed_at = snapshot.acquires
+        self.writes += 1
