@@ -6,9 +6,14 @@ in ``LlamapackGroup``, so commands added later get the same behaviour).
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from llamapack.errors import LlamapackError
+from llamapack.errors import IntegrityError, LlamapackError
+
+# commands defined in other modules, imported only when used (numpy must not load before llama_cpp)
+LAZY_COMMANDS = {"synth": "llamapack.synth.command:synth_command"}
 
 
 class LlamapackGroup(click.Group):
@@ -17,6 +22,15 @@ class LlamapackGroup(click.Group):
             return super().invoke(ctx)
         except LlamapackError as exc:
             raise click.ClickException(" ".join(str(exc).split())) from None
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
+
+    def get_command(self, ctx: click.Context, name: str):
+        if name in LAZY_COMMANDS:
+            module, attr = LAZY_COMMANDS[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
 
 
 @click.group(cls=LlamapackGroup)
@@ -69,3 +83,78 @@ def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool)
     extra = f" and match {report.against}" if report.against else ""
     click.echo(f"OK: {report.blocks} blocks ({report.nbytes / 1e9:.3f} GB) pass sha256{extra} "
                f"in {report.seconds:.1f} s")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--pack", "pack", is_flag=False, flag_value="", default=None, metavar="[PACK]",
+              help="Serve routed experts from PACK (no value: <stem>.expert-pack beside MODEL).")
+@click.option("--gguf-direct", is_flag=True, help="Serve routed experts straight from MODEL (no pack).")
+@click.option("-p", "--prompt", help="Prompt (with --chat: the system message).")
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temp", type=click.FloatRange(min=0.0), default=0.8, show_default=True, help="0: greedy.")
+@click.option("--seed", type=click.IntRange(min=0), help="Sampling seed (default: random).")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: llama-cpp-python's).")
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
+@click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), help="Physical batch size (default 512).")
+@click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
+@click.option("--cache-vram-mib", type=click.FloatRange(min=0.0), help="Expert cache size in MiB.")
+@click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
+@click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
+def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
+        seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
+        cache_slots: int | None, cache_vram_mib: float | None, chat: bool, stats_json: str | None) -> None:
+    """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
+    from llamapack.run import Runner, open_model
+
+    if prompt is None and not chat:
+        raise click.ClickException("give a prompt with -p/--prompt, or use --chat")
+    params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
+    if threads is not None:
+        params.update(n_threads=threads, n_threads_batch=threads)
+    if ubatch_size is not None:
+        params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
+    if seed is not None:
+        params.update(seed=seed)
+    sampling = dict(max_tokens=max_tokens, temperature=temp, seed=seed)
+
+    with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
+                    cache_mib=cache_vram_mib, **params) as llm:
+        runner = Runner(llm)
+        if not chat:
+            for piece in runner.complete(prompt, **sampling):
+                click.echo(piece, nl=False)
+            click.echo()
+        else:
+            stdin = click.get_text_stream("stdin")
+            messages = [{"role": "system", "content": prompt}] if prompt else []
+            while True:
+                if stdin.isatty():
+                    click.echo("> ", nl=False, err=True)
+                line = stdin.readline().strip()
+                if not line:
+                    break
+                messages.append({"role": "user", "content": line})
+                for piece in runner.chat(messages, **sampling):
+                    click.echo(piece, nl=False)
+                click.echo()
+    for line in runner.stats.lines():
+        click.echo(line, err=True)
+    if stats_json:
+        runner.stats.write_json(stats_json)
+
+
+@main.command()
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
+def demo(max_tokens: int) -> None:
+    """Make a small synthetic MoE model and its pack, run it from the pack and check it against llama.cpp."""
+    from llamapack.run import demo_lines  # imports llama_cpp before the demo imports numpy
+    from llamapack.demo import run_demo
+
+    result = run_demo(max_tokens, echo=lambda piece: click.echo(piece, nl=False))
+    click.echo()
+    for line in demo_lines(result):
+        click.echo(line)
+    if not (result.tokens_identical and result.logits_identical):
+        raise IntegrityError("the pack run differs from the reference run")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import llama_cpp  # noqa: F401 - imported before numpy (a CUDA build crashed otherwise)
 import numpy as np
 
 DEMO_PRESET = "qwen3moe-tiny"
@@ -69,8 +70,6 @@ def greedy(llm, prompt: list[int], n_tokens: int, on_token: Callable[[int], None
 
 
 def run_demo(n_tokens: int = 48, echo: Callable[[str], None] = print, progress: bool = True) -> DemoResult:
-    import llama_cpp
-
     from .compat import model_params_override
     from .llama import Llama
 

@@ -96,6 +96,14 @@ def run(spec: dict) -> dict:
     llm, provider = load(spec)
     prompt = prompt_tokens(llm, spec["n_prompt"])
     result: dict = {}
+    if spec.get("warmup"):  # warmup runs every expert at once: refused while a provider is attached
+        llama_cpp.llama_set_warmup(llm._ctx.ctx, True)
+        try:
+            llm.eval(prompt[:1])
+            result["warmup_error"] = None
+        except RuntimeError as exc:
+            result["warmup_error"] = str(exc)
+        llama_cpp.llama_set_warmup(llm._ctx.ctx, False)
     if spec["mode"] == "lazy_no_provider" or "fault" in spec:
         if provider is not None:
             inject_fault(provider, spec["fault"], spec.get("fault_at", 3))

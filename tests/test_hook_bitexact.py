@@ -104,6 +104,14 @@ def test_lazy_experts_without_provider_refuse_to_decode(model_dir, tmp_path):
     assert result["decode_error"] == "llama_decode returned -1"
 
 
+def test_warmup_is_refused_while_a_provider_is_attached(model_dir, tmp_path):
+    model = model_path(model_dir, "qwen3moe-tiny")
+    want, _ = logits(spec_for(model, "vanilla", 7, tmp_path / "v.npy"), tmp_path, vanilla=True)
+    got, result = logits(spec_for(model, "hook", 7, tmp_path / "h.npy", n_slots=16, warmup=True), tmp_path)
+    assert result["warmup_error"] == "llama_decode returned -1"
+    assert np.array_equal(got, want)  # and normal decoding afterwards is unaffected
+
+
 @pytest.mark.parametrize("fault", ["io", "bad_slot"])
 def test_provider_failure_fails_the_decode_then_recovers(fault, model_dir, tmp_path):
     model = model_path(model_dir, "qwen3moe-tiny")

@@ -37,10 +37,17 @@ class ProviderStats:
 
 
 def check_reader_matches_model(reader_layout, tensors) -> None:
-    """The reader's layout must describe exactly the expert tensors libllama loaded (fail closed)."""
+    """The reader's layout must describe exactly the expert tensors libllama loaded (fail closed).
+
+    Whole layers the model did not load (deepseek4's MTP blocks, skipped while MTP is off) may be in the
+    source: they are never requested. Anything else the model has must match role by role.
+    """
     by_key = {(t.layer, t.role): t for t in tensors}
+    loaded_layers = {t.layer for t in tensors}
     seen = set()
     for layer in reader_layout.layers:
+        if layer.layer not in loaded_layers:
+            continue
         for entry in layer.roles:
             t = by_key.get((layer.layer, entry.role))
             where = f"layer {layer.layer} role {entry.role}"
