@@ -7,6 +7,7 @@ in ``LlamapackGroup``, so commands added later get the same behaviour).
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -99,7 +100,8 @@ def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
 @click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), help="Physical batch size (default 512).")
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
-@click.option("--cache-vram-mib", type=click.FloatRange(min=0.0), help="Expert cache size in MiB.")
+@click.option("--cache-vram-mib", type=click.FloatRange(min=0.0, min_open=True),
+              help="Expert cache size in MiB (GPU memory with -ngl, else host memory).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
@@ -127,12 +129,11 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
                 click.echo(piece, nl=False)
             click.echo()
         else:
-            stdin = click.get_text_stream("stdin")
             messages = [{"role": "system", "content": prompt}] if prompt else []
             while True:
-                if stdin.isatty():
+                if sys.stdin.isatty():
                     click.echo("> ", nl=False, err=True)
-                line = stdin.readline().strip()
+                line = sys.stdin.readline().strip()
                 if not line:
                     break
                 messages.append({"role": "user", "content": line})

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
 import llama_cpp  # noqa: F401 - imported before numpy (a CUDA build crashed otherwise)
@@ -20,10 +20,16 @@ import llama_cpp  # noqa: F401 - imported before numpy (a CUDA build crashed oth
 from .errors import LlamapackError, NativeError, PackIOError
 
 
+def expert_read_bytes(pack_stats: dict) -> int:
+    """Expert bytes the provider has read (``pack_read_bytes``; the reference provider: ``read_bytes``)."""
+    return pack_stats.get("pack_read_bytes", pack_stats.get("read_bytes", 0))
+
+
 @dataclass(frozen=True)
 class RunStats:
     """Counts and seconds of one run (one or more requests)."""
 
+    n_requests: int = 0
     n_prompt: int = 0        # prompt tokens evaluated
     n_generated: int = 0     # tokens sampled
     n_decoded: int = 0       # generated tokens evaluated (one eval each)
@@ -52,10 +58,8 @@ class RunStats:
 
     def __add__(self, later: RunStats) -> RunStats:
         """Totals of this run followed by ``later`` (whose pack counters are the newer ones)."""
-        return RunStats(n_prompt=self.n_prompt + later.n_prompt, n_generated=self.n_generated + later.n_generated,
-                        n_decoded=self.n_decoded + later.n_decoded, prefill_s=self.prefill_s + later.prefill_s,
-                        decode_s=self.decode_s + later.decode_s, read_bytes=self.read_bytes + later.read_bytes,
-                        pack=later.pack)
+        sums = {f.name: getattr(self, f.name) + getattr(later, f.name) for f in fields(self) if f.name != "pack"}
+        return RunStats(**sums, pack=later.pack)
 
     def as_dict(self) -> dict:
         derived = dict(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s, hit_rate=self.hit_rate,
@@ -69,7 +73,8 @@ class RunStats:
             lines.append("expert cache: none (plain llama.cpp, every expert resident)")
         else:
             p = self.pack
-            lines.append(f"expert cache: hit rate {100 * p['hit_rate']:.1f}% ({p['cache_hits']} hits, "
+            rate = "n/a" if p["hit_rate"] is None else f"{100 * p['hit_rate']:.1f}%"
+            lines.append(f"expert cache: hit rate {rate} ({p['cache_hits']} hits, "
                          f"{p['cache_misses']} misses, {p['cache_evictions']} evictions, {p['n_slots']} slots)")
         lines.append(f"expert bytes read per token: {self.read_bytes_per_token / (1 << 20):.3f} MiB "
                      f"({self.read_bytes} bytes for {self.n_prompt + self.n_decoded} tokens)")
@@ -95,7 +100,10 @@ def open_model(model: str, *, pack=None, gguf_direct: bool = False, cache_slots:
         raise LlamapackError("use either a pack or --gguf-direct, not both")
     if not os.path.isfile(model):
         raise PackIOError(f"GGUF file not found: {model}")
-    settings = resolve_settings(model, pack, gguf_direct)
+    try:
+        settings = resolve_settings(model, pack, gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib)
+    except ValueError as exc:  # settings out of range
+        raise LlamapackError(str(exc)) from None
     if settings is not None and not settings.gguf_direct:
         # A missing or foreign pack fails here, before llamapack.Llama: one whose __init__ fails before
         # llama_cpp.Llama.__init__ prints a traceback when it is collected (close() expects a loaded model).
@@ -146,7 +154,7 @@ class Runner:
             counts.append(len(tokens))
             ends.append(time.perf_counter())
 
-        read0 = self._pack_stats().get("read_bytes", 0)
+        read0 = expert_read_bytes(self._pack_stats())
         start = time.perf_counter()
         llm.eval = timed_eval
         try:
@@ -156,16 +164,18 @@ class Runner:
             if ends:
                 pack = self._pack_stats()
                 self.stats += RunStats(
-                    n_prompt=counts[0], n_generated=len(ends), n_decoded=len(ends) - 1, prefill_s=ends[0] - start,
-                    decode_s=ends[-1] - ends[0], read_bytes=pack.get("read_bytes", 0) - read0, pack=pack)
+                    n_requests=1, n_prompt=counts[0], n_generated=len(ends), n_decoded=len(ends) - 1,
+                    prefill_s=ends[0] - start, decode_s=ends[-1] - ends[0],
+                    read_bytes=expert_read_bytes(pack) - read0, pack=pack)
 
 
 def demo_lines(result) -> list[str]:
     """The summary of a ``llamapack.demo.DemoResult``: run stats, then whether both runs agree."""
-    stats = RunStats(n_prompt=result.n_prompt, n_generated=result.n_generated, n_decoded=result.n_generated,
+    stats = RunStats(n_requests=1, n_prompt=result.n_prompt, n_generated=result.n_generated,
+                     n_decoded=result.n_generated,  # the demo evaluates every token it generates
                      prefill_s=result.n_prompt / result.prefill_tok_s,
                      decode_s=result.n_generated / result.decode_tok_s,
-                     read_bytes=result.stats.get("read_bytes", 0), pack=result.stats)
+                     read_bytes=expert_read_bytes(result.stats), pack=result.stats)
     yes = {True: "yes", False: "NO"}
     return [f"model: {result.model}", f"pack: {result.pack}", *stats.lines(),
             f"tokens identical: {yes[result.tokens_identical]}", f"logits identical: {yes[result.logits_identical]}"]

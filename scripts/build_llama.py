@@ -22,7 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
-import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -158,8 +158,16 @@ def cmake_build(root: Path, build_dir: Path, cuda: bool) -> Path:
     log(f"configuring ({'CUDA' if cuda else 'CPU'}) in {build_dir}")
     subprocess.run(["cmake", "-S", str(root), "-B", str(build_dir), *generator, *cmake_args(cuda)], check=True,
                    stdout=subprocess.DEVNULL)
-    log(f"building with {jobs} jobs (a few minutes on 2 cores)")
-    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama", "-j", jobs], check=True)
+    build_log = build_dir / "build.log"
+    log(f"building with {jobs} jobs (a few minutes on 2 cores); compiler output in {build_log}")
+    start = time.monotonic()
+    with open(build_log, "w") as out:
+        result = subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama", "-j", jobs],
+                                stdout=out, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        print("".join(build_log.read_text(errors="replace").splitlines(keepends=True)[-60:]), file=sys.stderr)
+        raise BuildError(f"the build failed (exit {result.returncode}); full log: {build_log}")
+    log(f"built in {time.monotonic() - start:.0f} s")
     libs = build_dir / "bin"
     if not (libs / "libllama.so").exists():
         raise BuildError(f"no libllama.so under {libs}")
