@@ -7,6 +7,8 @@
 Only the pack parameters are added; every other argument goes to ``llama_cpp.Llama`` unchanged. In pack
 mode the model loads with its routed experts left on disk and CPU weight repacking off (``use_extra_bufts``:
 llama.cpp's repacked layouts use kernels that round differently from the GGUF bytes the pool holds).
+Experts are served by ``provider.streaming.StreamingProvider``; its settings (``StreamingSettings``) are
+keyword parameters of the same names.
 """
 from __future__ import annotations
 
@@ -17,60 +19,57 @@ import llama_cpp
 
 from . import native
 from .compat import model_params_override
-from .errors import CapacityError
 from .pack import GgufDirectReader, PackReader, default_pack_path, open_gguf
-from .provider.reference import ReferenceProvider
-from .provider.slots import SlotLayout
+from .provider.streaming import StreamingProvider, StreamingSettings
+
+DEFAULTS = StreamingSettings()
 
 
 @dataclass(frozen=True)
 class PackSettings:
-    """How routed experts are served. ``cache_slots`` wins over ``cache_mib``; neither: one layer's experts."""
+    """Where routed experts come from and how the streaming provider serves them."""
 
     source: str                 # pack manifest/data path, or the GGUF itself for GGUF-direct
     gguf_direct: bool = False
-    cache_slots: int | None = None
-    cache_mib: float | None = None
-    direct_io: bool = True
-    verify_pack_sha256: bool = False
+    streaming: StreamingSettings = DEFAULTS
 
 
-def resolve_settings(model_path: str, pack, gguf_direct: bool, **cache) -> PackSettings | None:
+def resolve_settings(model_path: str, pack, gguf_direct: bool, cache_slots: int | None = None,
+                     cache_mib: float | None = None, **streaming) -> PackSettings | None:
+    """``cache_slots`` is StreamingSettings.n_slots and ``cache_mib`` its cache_vram_mib (older names)."""
     if pack and gguf_direct:
         raise ValueError("pass either pack= or gguf_direct=True, not both")
+    if not (pack or gguf_direct):
+        return None
+    if cache_mib is not None:
+        if streaming.get("cache_vram_mib") not in (None, cache_mib):
+            raise ValueError("cache_mib and cache_vram_mib name the same budget: pass one of them")
+        streaming["cache_vram_mib"] = cache_mib
+    settings = StreamingSettings(n_slots=cache_slots, **streaming)
     if gguf_direct:
-        return PackSettings(source=str(model_path), gguf_direct=True, **cache)
-    if pack:
-        source = default_pack_path(open_gguf(model_path)) if pack is True else os.fspath(pack)
-        return PackSettings(source=str(source), **cache)
-    return None
-
-
-def slot_count(settings: PackSettings, tensors, n_ubatch: int, n_expert_used: int) -> int:
-    """Slots for the settings; fails when they cannot hold the experts one step of one layer may use."""
-    n_expert = max(t.n_expert for t in tensors)
-    per_slot = SlotLayout.from_tensors(tensors, 1).slot_bytes
-    if settings.cache_slots is not None:
-        slots = settings.cache_slots
-    elif settings.cache_mib is not None:
-        slots = int(settings.cache_mib * (1 << 20) // per_slot)
-    else:
-        slots = n_expert
-    needed = min(n_expert, n_expert_used * n_ubatch)
-    if slots < needed:
-        raise CapacityError(
-            f"the expert cache holds {slots} experts ({per_slot / (1 << 20):.2f} MiB each) but one step of "
-            f"{n_ubatch} tokens may use {needed} experts of one layer; raise the budget or lower n_ubatch")
-    return slots
+        return PackSettings(source=str(model_path), gguf_direct=True, streaming=settings)
+    source = default_pack_path(open_gguf(model_path)) if pack is True else os.fspath(pack)
+    return PackSettings(source=str(source), streaming=settings)
 
 
 class Llama(llama_cpp.Llama):
+    """``llama_cpp.Llama`` plus: ``pack`` / ``gguf_direct`` (where experts come from), ``cache_slots`` /
+    ``cache_mib`` (older names of ``n_slots`` / ``cache_vram_mib``) and the StreamingSettings fields."""
+
     def __init__(self, model_path: str, *args, pack=None, gguf_direct: bool = False, cache_slots: int | None = None,
-                 cache_mib: float | None = None, direct_io: bool = True, verify_pack_sha256: bool = False, **kwargs):
+                 cache_mib: float | None = None, direct_io: bool = DEFAULTS.direct_io,
+                 verify_pack_sha256: bool = DEFAULTS.verify_pack_sha256,
+                 cache_vram_mib: float | None = DEFAULTS.cache_vram_mib,
+                 cache_vram_reserve_mib: float = DEFAULTS.cache_vram_reserve_mib,
+                 stage_slots: int = DEFAULTS.stage_slots, read_splits: int = DEFAULTS.read_splits,
+                 stats_path: str | os.PathLike | None = DEFAULTS.stats_path,
+                 stats_flush_interval: int = DEFAULTS.stats_flush_interval, **kwargs):
         self._provider = None
-        self.pack_settings = resolve_settings(model_path, pack, gguf_direct, cache_slots=cache_slots,
-                                              cache_mib=cache_mib, direct_io=direct_io,
-                                              verify_pack_sha256=verify_pack_sha256)
+        self.pack_settings = resolve_settings(
+            model_path, pack, gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib, direct_io=direct_io,
+            verify_pack_sha256=verify_pack_sha256, cache_vram_mib=cache_vram_mib,
+            cache_vram_reserve_mib=cache_vram_reserve_mib, stage_slots=stage_slots, read_splits=read_splits,
+            stats_path=None if stats_path is None else os.fspath(stats_path), stats_flush_interval=stats_flush_interval)
         if self.pack_settings is None:
             super().__init__(model_path, *args, **kwargs)
             return
@@ -81,10 +80,10 @@ class Llama(llama_cpp.Llama):
             tensors = native.expert_tensors(native.model_ptr(self._model))
             arch = self.metadata.get("general.architecture", "")
             n_used = int(self.metadata.get(f"{arch}.expert_used_count", max(t.n_expert for t in tensors)))
-            slots = slot_count(self.pack_settings, tensors, self.context_params.n_ubatch, n_used)
             device = 0 if kwargs.get("n_gpu_layers", 0) and llama_cpp.llama_supports_gpu_offload() else -1
-            self._provider = ReferenceProvider(native.model_ptr(self._model), native.context_ptr(self._ctx),
-                                               reader, n_slots=slots, device=device)
+            self._provider = StreamingProvider(
+                native.model_ptr(self._model), native.context_ptr(self._ctx), reader, self.pack_settings.streaming,
+                n_ubatch=self.context_params.n_ubatch, n_expert_used=n_used, device=device)
         except BaseException:
             reader.close()
             if getattr(self, "_ctx", None) is not None:
@@ -92,10 +91,11 @@ class Llama(llama_cpp.Llama):
             raise
 
     def _open_reader(self, model_path: str):
-        s = self.pack_settings
+        s, streaming = self.pack_settings, self.pack_settings.streaming
         if s.gguf_direct:
-            return GgufDirectReader(s.source, direct_io=s.direct_io)
-        return PackReader(s.source, model=model_path, direct_io=s.direct_io, verify_sha256=s.verify_pack_sha256)
+            return GgufDirectReader(s.source, direct_io=streaming.direct_io)
+        return PackReader(s.source, model=model_path, direct_io=streaming.direct_io,
+                          verify_sha256=streaming.verify_pack_sha256)
 
     def eval(self, tokens):
         try:
@@ -108,20 +108,20 @@ class Llama(llama_cpp.Llama):
             raise
 
     def pack_stats(self) -> dict:
-        """The provider's counters (empty without a pack)."""
+        """The provider's counters (telemetry.ProviderCounters fields, hit_rate, n_slots...; empty without a pack)."""
         if self._provider is None:
             return {}
-        stats = self._provider.stats.as_dict()
-        keys = stats["cache_hits"] + stats["cache_misses"]
-        stats.update(n_slots=self._provider.n_slots, hit_rate=stats["cache_hits"] / keys if keys else 0.0,
-                     source=self.pack_settings.source, gguf_direct=self.pack_settings.gguf_direct)
-        return stats
+        return dict(self._provider.stats(), source=self.pack_settings.source,
+                    gguf_direct=self.pack_settings.gguf_direct)
 
     def close(self) -> None:
-        if self._provider is not None:
+        """Release the provider (pool, reader threads, files), then llama.cpp's model and context; idempotent.
+        Also safe on an object whose __init__ failed before llama_cpp.Llama's (a bad pack): nothing to free."""
+        if getattr(self, "_provider", None) is not None:
             self._provider.close()
             self._provider = None
-        super().close()
+        if "_stack" in vars(self):
+            super().close()
 
     def __enter__(self):
         return self

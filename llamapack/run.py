@@ -21,8 +21,8 @@ from .errors import LlamapackError, NativeError, PackIOError
 
 
 def expert_read_bytes(pack_stats: dict) -> int:
-    """Expert bytes the provider has read (``pack_read_bytes``; the reference provider: ``read_bytes``)."""
-    return pack_stats.get("pack_read_bytes", pack_stats.get("read_bytes", 0))
+    """Expert bytes the provider has read from the pack or the GGUF."""
+    return pack_stats.get("pack_read_bytes", 0)
 
 
 @dataclass(frozen=True)
@@ -94,20 +94,15 @@ def open_model(model: str, *, pack=None, gguf_direct: bool = False, cache_slots:
     """A ``llamapack.Llama`` for ``model`` (``pack=True``: the default pack beside it); plain without pack
     or gguf_direct. Failures are ``LlamapackError``s."""
     from .llama import Llama, resolve_settings
-    from .pack import PackReader
 
     if pack and gguf_direct:
         raise LlamapackError("use either a pack or --gguf-direct, not both")
     if not os.path.isfile(model):
         raise PackIOError(f"GGUF file not found: {model}")
     try:
-        settings = resolve_settings(model, pack, gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib)
+        resolve_settings(model, pack, gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib)  # validates only
     except ValueError as exc:  # settings out of range
         raise LlamapackError(str(exc)) from None
-    if settings is not None and not settings.gguf_direct:
-        # A missing or foreign pack fails here, before llamapack.Llama: one whose __init__ fails before
-        # llama_cpp.Llama.__init__ prints a traceback when it is collected (close() expects a loaded model).
-        PackReader(settings.source, model=model).close()
     try:
         return Llama(model, pack=pack, gguf_direct=gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib,
                      **llama_kwargs)

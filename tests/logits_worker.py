@@ -4,7 +4,8 @@ Run as a subprocess (``python tests/logits_worker.py SPEC.json``) because one pr
 libllama: the vanilla library comes in through LLAMA_CPP_LIB_PATH, the patched one is the installed one.
 
 Modes: ``vanilla`` (whatever libllama is loaded, no hook), ``hook`` (patched libllama, experts left on disk,
-served by the reference provider from ``serve_from``, default the model itself).
+served from ``serve_from``, default the model itself, by the provider named in ``provider``: ``reference``
+(default) or ``streaming``, whose StreamingSettings fields come from ``streaming``, with ``n_slots``).
 """
 from __future__ import annotations
 
@@ -55,10 +56,27 @@ def load(spec: dict):
     from llamapack.pack import GgufDirectReader, PackReader
 
     source = spec.get("serve_from", spec["model"])
+    if spec.get("provider", "reference") == "streaming":
+        return llm, streaming_provider(llm, spec, source)
     reader = PackReader(source, model=spec["model"]) if spec.get("pack") else GgufDirectReader(source)
     provider = ReferenceProvider(native.model_ptr(llm._model), native.context_ptr(llm._ctx), reader,
                                  n_slots=spec["n_slots"], device=spec.get("device", -1))
     return llm, provider
+
+
+def streaming_provider(llm, spec: dict, source: str, read_fn=None):
+    """The streaming provider serving ``source``: StreamingSettings fields from spec['streaming'], n_slots."""
+    from llamapack import native
+    from llamapack.pack import GgufDirectReader, PackReader
+    from llamapack.provider.streaming import StreamingProvider, StreamingSettings
+
+    settings = StreamingSettings(n_slots=spec["n_slots"], **spec.get("streaming", {}))
+    io = dict(direct_io=settings.direct_io, read_fn=read_fn)
+    reader = PackReader(source, model=spec["model"], **io) if spec.get("pack") else GgufDirectReader(source, **io)
+    n_used = int(llm.metadata[f"{llm.metadata['general.architecture']}.expert_used_count"])
+    return StreamingProvider(native.model_ptr(llm._model), native.context_ptr(llm._ctx), reader, settings,
+                             n_ubatch=spec["n_ubatch"], n_expert_used=n_used, device=spec.get("device", -1),
+                             read_fn=read_fn)
 
 
 def inject_fault(provider, kind: str, at_acquire: int) -> None:
@@ -122,10 +140,9 @@ def run(spec: dict) -> dict:
     np.save(spec["out"], logits)
     result.update(n_rows=int(logits.shape[0]), max_rss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if provider is not None:
-        s = provider.stats
-        result.update(cache_hits=s.cache_hits, cache_misses=s.cache_misses, cache_evictions=s.cache_evictions,
-                      read_bytes=s.read_bytes, acquires=s.acquires, slot_bytes=provider.layout.slot_bytes,
-                      n_slots=provider.n_slots, pool_bytes=provider.layout.pool_bytes)
+        result.update(provider.stats() if callable(provider.stats) else provider.stats.as_dict())
+        result.update(slot_bytes=provider.layout.slot_bytes, n_slots=provider.n_slots,
+                      pool_bytes=provider.layout.pool_bytes)
         provider.close()
     llm.close()
     return result

@@ -1,0 +1,111 @@
+"""Staging buffers and the copies from them into pool slots, for a host pool and for a GPU pool.
+
+Both copiers hold ``buffers`` (page-aligned, one expert block each) and offer the same four steps:
+``wait_until_free(i)`` before a read refills buffer i, ``copy(i, segments)`` to copy a read block into
+its slot (``segments``: (pool offset, block offset, nbytes) per role), ``synchronize()`` before the
+provider returns to llama.cpp (every copy complete), ``close()``.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import NativeError
+from .slots import ALIGNMENT, aligned_empty
+
+log = logging.getLogger(__name__)
+
+
+class HostCopier:
+    """Host pool (CPU compute): numpy copies, complete when ``copy`` returns."""
+
+    h2d = False
+
+    def __init__(self, pool_bytes: int, n_buffers: int, buffer_bytes: int):
+        self.pool = aligned_empty(pool_bytes)
+        self.pool[:] = 0  # kernels may read past row ends: tails stay zero
+        self.buffers = [aligned_empty(buffer_bytes) for _ in range(n_buffers)]
+        self.pageable = False
+
+    @property
+    def pool_base(self) -> int:
+        return self.pool.ctypes.data
+
+    def wait_until_free(self, index: int) -> None:
+        """Copies are synchronous: a buffer is free as soon as ``copy`` returned."""
+
+    def copy(self, index: int, segments) -> None:
+        block = self.buffers[index]
+        for pool_offset, block_offset, nbytes in segments:
+            self.pool[pool_offset:pool_offset + nbytes] = block[block_offset:block_offset + nbytes]
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.buffers = []
+
+
+def import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise NativeError(f"a GPU slot pool needs CuPy (pip install cupy-cuda12x or cupy-cuda13x): {exc}") from None
+    return cupy
+
+
+def pinned_buffer(cupy, nbytes: int):
+    """(owner, page-aligned numpy view of ``nbytes``) in pinned host memory, or a pageable numpy buffer and
+    owner None when pinning fails (copies from it still work, without overlapping the reads)."""
+    try:
+        memory = cupy.cuda.alloc_pinned_memory(nbytes + ALIGNMENT)
+    except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.memory.OutOfMemoryError, MemoryError) as exc:
+        log.warning("pinned staging buffer of %d bytes failed (%s): using pageable memory", nbytes, exc)
+        return None, aligned_empty(nbytes)
+    view = np.frombuffer(memory, dtype=np.uint8, count=nbytes + ALIGNMENT)
+    shift = (-view.ctypes.data) % ALIGNMENT
+    return memory, view[shift:shift + nbytes]
+
+
+class CudaCopier:
+    """GPU pool: ``cudaMemcpyAsync`` from pinned staging buffers on the provider's own stream.
+
+    After the copies out of buffer i the buffer's event is recorded on the stream; a read waits for that
+    event before refilling buffer i. ``synchronize()`` waits for the stream: slots become visible to compute
+    only after their copies are known complete.
+    """
+
+    h2d = True
+
+    def __init__(self, device: int, pool_base: int, n_buffers: int, buffer_bytes: int):
+        self._cupy = cupy = import_cupy()
+        self.device, self.pool_base = device, pool_base
+        with cupy.cuda.Device(device):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.events = [cupy.cuda.Event(disable_timing=True) for _ in range(n_buffers)]
+        self._owners, self.buffers = zip(*(pinned_buffer(cupy, buffer_bytes) for _ in range(n_buffers)))
+        self.pageable = any(owner is None for owner in self._owners)
+
+    def wait_until_free(self, index: int) -> None:
+        with self._cupy.cuda.Device(self.device):  # called from a read thread
+            self.events[index].synchronize()  # returns at once for an event never recorded
+
+    def copy(self, index: int, segments) -> None:
+        runtime = self._cupy.cuda.runtime
+        source = self.buffers[index].ctypes.data
+        with self._cupy.cuda.Device(self.device):
+            for pool_offset, block_offset, nbytes in segments:
+                runtime.memcpyAsync(self.pool_base + pool_offset, source + block_offset, nbytes,
+                                    runtime.memcpyHostToDevice, self.stream.ptr)
+            self.events[index].record(self.stream)
+
+    def synchronize(self) -> None:
+        with self._cupy.cuda.Device(self.device):
+            self.stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for the copies, then give the pinned memory back to the driver."""
+        self.synchronize()
+        self.buffers, self._owners = (), ()
+        self._cupy.get_default_pinned_memory_pool().free_all_blocks()

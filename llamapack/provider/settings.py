@@ -1,0 +1,73 @@
+"""Settings of the streaming provider and the slot budget they give."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CapacityError
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StreamingSettings:
+    """How the streaming provider sizes its pool, reads experts and reports.
+
+    ``cache_vram_mib``: the slot pool's budget in MiB (VRAM for a GPU pool, host memory for a host pool);
+    None: all free VRAM but ``cache_vram_reserve_mib`` on a GPU, one layer's experts on the host.
+    ``n_slots`` overrides the budget with an exact slot count. ``stage_slots`` staging buffers bound the
+    expert reads in flight; ``read_splits`` splits each pack read into that many parallel sub-reads (pack
+    mode only: a GGUF-direct expert is read by one reader, role after role). ``direct_io=False`` reads
+    through the page cache (for filesystems without O_DIRECT). ``stats_path``: a JSON file of the counters,
+    rewritten every ``stats_flush_interval`` acquires. ``verify_pack_sha256``: check every block read
+    against the manifest (pack mode only).
+    """
+
+    cache_vram_mib: float | None = None
+    cache_vram_reserve_mib: float = 1024
+    stage_slots: int = 4
+    read_splits: int = 1
+    direct_io: bool = True
+    stats_path: str | None = None
+    stats_flush_interval: int = 256
+    verify_pack_sha256: bool = False
+    n_slots: int | None = None
+
+    def __post_init__(self):
+        for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.cache_vram_mib is not None and self.cache_vram_mib <= 0:
+            raise ValueError(f"cache_vram_mib must be > 0 (got {self.cache_vram_mib})")
+        if self.cache_vram_reserve_mib < 0:
+            raise ValueError(f"cache_vram_reserve_mib must be >= 0 (got {self.cache_vram_reserve_mib})")
+
+
+def slot_budget(settings: StreamingSettings, slot_bytes: int, n_expert: int, n_moe_layers: int,
+                n_expert_used: int, n_ubatch: int, free_vram: int | None = None) -> int:
+    """The pool's slot count: ``floor(min(requested, free - reserve) / slot_bytes)``.
+
+    ``free_vram`` is None for a host pool (then: the request, or one layer's experts). Never more slots than
+    experts in the model. Raises CapacityError when the slots cannot hold the distinct experts one ubatch of
+    one layer may use, ``min(n_expert, n_expert_used * n_ubatch)``.
+    """
+    requested = None if settings.cache_vram_mib is None else int(settings.cache_vram_mib * MIB)
+    if settings.n_slots is not None:
+        slots, basis = settings.n_slots, f"n_slots={settings.n_slots}"
+    elif free_vram is not None:
+        usable = free_vram - int(settings.cache_vram_reserve_mib * MIB)
+        budget = usable if requested is None else min(requested, usable)
+        slots = min(max(budget, 0) // slot_bytes, n_expert * n_moe_layers)
+        basis = (f"{free_vram / MIB:.0f} MiB VRAM free - {settings.cache_vram_reserve_mib:g} MiB reserve"
+                 + ("" if requested is None else f", cache_vram_mib={settings.cache_vram_mib:g}"))
+    elif requested is not None:
+        slots = min(requested // slot_bytes, n_expert * n_moe_layers)
+        basis = f"cache_vram_mib={settings.cache_vram_mib:g}"
+    else:
+        slots, basis = n_expert, "one layer's experts"
+    needed = min(n_expert, n_expert_used * n_ubatch)
+    if slots < needed:
+        raise CapacityError(
+            f"the expert cache holds {slots} experts ({basis}; {slot_bytes / MIB:.2f} MiB per expert) but one "
+            f"ubatch of {n_ubatch} tokens may use {needed} experts of one layer ({needed * slot_bytes / MIB:.2f} "
+            "MiB); raise the budget or lower n_ubatch")
+    return slots

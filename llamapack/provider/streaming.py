@@ -1,0 +1,208 @@
+"""The streaming expert provider: LFU/LRU slot cache, parallel O_DIRECT reads, pinned staging, async copies.
+
+Per MoE layer and ubatch llama.cpp calls ``acquire`` (from its compute thread) with the router's expert ids.
+The cache policy says which experts hit and which load into which slot. The misses are read in parallel by a
+small thread pool, at most ``stage_slots`` at once, each into its own staging buffer (pinned when the pool
+is on a GPU), optionally in ``read_splits`` sub-reads; as each read completes its roles are copied into the
+slot (numpy on the host, ``cudaMemcpyAsync`` on the provider's stream for a GPU pool) and the buffer takes the
+next miss. Before returning, every copy of the step is complete.
+
+A failed read (I/O error, short read, sha256 mismatch) stops new reads, waits for the reads in flight,
+abandons the failed expert and every miss of the step not copied yet (their slots go back to the free list,
+mapped to no expert), counts ``io_errors`` and raises; the callback returns non-zero, so llama_decode fails
+and nothing computes on a partial slot. The next request starts from a consistent cache.
+Reads have no timeout: a read that hangs holds the decode.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent import futures
+
+import numpy as np
+
+from .. import native
+from ..cache_policy import LfuLruPolicy, SlotAssignment
+from ..telemetry import CounterAccumulator, StatsFlusher
+from .copies import CudaCopier, HostCopier, import_cupy
+from .reads import ReadPool, open_source
+from .reference import check_reader_matches_model
+from .settings import StreamingSettings, slot_budget
+from .slots import SlotLayout
+
+__all__ = ["StreamingProvider", "StreamingSettings"]
+
+ffi = native.ffi
+log = logging.getLogger(__name__)
+MAX_READ_THREADS = 32
+
+
+def free_vram(device: int) -> int:
+    cupy = import_cupy()
+    with cupy.cuda.Device(device):
+        return cupy.cuda.runtime.memGetInfo()[0]
+
+
+class StreamingProvider:
+    """Serves routed experts from ``reader`` (a PackReader or GgufDirectReader, now owned by the provider)
+    into a slot pool attached to one llama context.
+
+    ``device`` -1: host pool (CPU compute); N >= 0: pool on GPU N, allocated by libllama, sized from the VRAM
+    free now (call it after the model and KV cache are loaded). ``read_fn`` replaces ``os.preadv`` (tests).
+    """
+
+    def __init__(self, model_ptr, ctx_ptr, reader, settings: StreamingSettings = StreamingSettings(), *,
+                 n_ubatch: int, n_expert_used: int, device: int = -1, read_fn=None):
+        self.settings, self.device, self.n_expert_used = settings, device, n_expert_used
+        self.error: BaseException | None = None
+        self.counters = CounterAccumulator()
+        self.flusher: StatsFlusher | None = None
+        self._reader, self._reads, self._copier, self._ctx, self._closed = reader, None, None, None, False
+        try:
+            self.tensors = native.expert_tensors(model_ptr)
+            check_reader_matches_model(reader.layout, self.tensors)
+            self._source = open_source(reader, direct_io=settings.direct_io, read_fn=read_fn,
+                                       read_splits=settings.read_splits, verify_sha256=settings.verify_pack_sha256)
+            pack_layout = reader.layout
+            loaded_layers = sorted({t.layer for t in self.tensors})  # the source may hold more (deepseek4 MTP)
+            self.n_slots = slot_budget(
+                settings, SlotLayout.from_tensors(self.tensors, 1).slot_bytes, pack_layout.num_experts,
+                len(loaded_layers), n_expert_used, n_ubatch, free_vram(device) if device >= 0 else None)
+            self.layout = SlotLayout.from_tensors(self.tensors, self.n_slots)
+            self.policy = LfuLruPolicy(self.n_slots)
+            self.flusher = StatsFlusher(self.counters, settings.stats_path, settings.stats_flush_interval)
+            self._first_layer, self._stride = loaded_layers[0], pack_layout.expert_stride
+            self._segments = {entry.layer: tuple((role.role, role.offset, role.nbytes) for role in entry.roles)
+                              for entry in pack_layout.layers}
+            n_threads = min(settings.stage_slots * len(self._source.pieces), MAX_READ_THREADS)
+            self._reads = ReadPool(self._source.open_handle, n_threads)
+            host = HostCopier(self.layout.pool_bytes, settings.stage_slots, self._stride) if device < 0 else None
+            self._callback = ffi.callback(
+                "int32_t(void *, int32_t, const int32_t *, int32_t, int32_t, int32_t *)", self._provide)
+            self.pool_base = native.attach_pool(
+                ctx_ptr, host.pool_base if host else None, self.layout.pool_bytes, self.n_slots,
+                self.layout.tensor_offsets(self.tensors), self.layout.tensor_strides(self.tensors), device=device)
+            self._ctx = ctx_ptr
+            self._copier = host or CudaCopier(device, self.pool_base, settings.stage_slots, self._stride)
+            native.set_provider(ctx_ptr, self._callback)
+        except BaseException:
+            self.close()
+            raise
+
+    # called from llama.cpp's compute thread, once per MoE layer per ubatch
+    def _provide(self, _user, layer, ids_ptr, n_used, n_tokens, slots_ptr) -> int:
+        try:
+            n = n_used * n_tokens
+            ids = np.frombuffer(ffi.buffer(ids_ptr, 4 * n), dtype=np.int32)
+            slots = np.frombuffer(ffi.buffer(slots_ptr, 4 * n), dtype=np.int32)
+            slots[:] = self.acquire(layer, ids)
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - must not unwind into C; reported by the caller
+            self.error = exc
+            return 1
+
+    def acquire(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
+        """Make every expert in ``expert_ids`` of ``layer`` resident; return their slot ids (copies complete)."""
+        experts = list(dict.fromkeys(expert_ids.tolist()))
+        plan = self.policy.acquire([(layer, expert) for expert in experts])
+        tokens = len(expert_ids) // self.n_expert_used if layer == self._first_layer else 0
+        self.counters.record_acquire(plan.hits, plan.misses, len(plan.evictions), tokens=tokens)
+        try:
+            if plan.loads:
+                self._load(plan.loads)
+        finally:
+            self._write_stats()
+        slot_of = np.full(max(experts) + 1, -1, dtype=np.int32)
+        for assignment in plan.assignments:
+            slot_of[assignment.key[1]] = assignment.slot
+        return slot_of[expert_ids]
+
+    def _load(self, loads: tuple[SlotAssignment, ...]) -> None:
+        """Read the misses, at most ``stage_slots`` at once, and copy each into its slot as soon as it is read.
+
+        On a failure no new read starts; the reads in flight are waited for (they write into staging
+        buffers); every miss not copied is abandoned; the first error is raised.
+        """
+        waiting = deque(loads)
+        free_buffers = deque(range(self.settings.stage_slots))
+        in_flight: dict[int, tuple[SlotAssignment, list[futures.Future]]] = {}  # staging buffer -> its read
+        copied: set = set()
+        error: BaseException | None = None
+        try:
+            while in_flight or (waiting and error is None):
+                while waiting and free_buffers and error is None:
+                    buffer = free_buffers.popleft()
+                    in_flight[buffer] = (load := waiting.popleft(), self._start_read(load.key, buffer))
+                with self.counters.timing("read_wait_s"):
+                    futures.wait([f for _, pieces in in_flight.values() for f in pieces],
+                                 return_when=futures.FIRST_COMPLETED)
+                for buffer, (load, pieces) in list(in_flight.items()):
+                    if not all(piece.done() for piece in pieces):
+                        continue
+                    del in_flight[buffer]
+                    try:
+                        for piece in pieces:
+                            piece.result()
+                        if error is None:
+                            self._copy(load, buffer)
+                            copied.add(load.key)
+                    except Exception as exc:  # noqa: BLE001 - any failed load is abandoned below
+                        self.counters.record_io_error()
+                        error = error or exc
+                    free_buffers.append(buffer)
+        finally:
+            futures.wait([f for _, pieces in in_flight.values() for f in pieces])  # only after an interrupt
+            with self.counters.timing("copy_wait_s"):
+                self._copier.synchronize()
+            for load in loads:
+                if load.key not in copied:
+                    self.policy.abandon(load.key)
+        if error is not None:
+            raise error
+
+    def _start_read(self, key: tuple[int, int], buffer: int) -> list[futures.Future]:
+        return [self._reads.submit(self._read_piece, key, buffer, start, end) for start, end in self._source.pieces]
+
+    def _read_piece(self, handle, key: tuple[int, int], buffer: int, start: int, end: int) -> None:
+        self._copier.wait_until_free(buffer)  # its previous block's copy has finished
+        self._source.read(handle, *key, self._copier.buffers[buffer], start, end)
+
+    def _copy(self, load: SlotAssignment, buffer: int) -> None:
+        """Check the read block, then copy each role payload into the slot."""
+        layer, expert = load.key
+        self.counters.record_read(self._source.read_nbytes(layer, expert))
+        self._source.check(layer, expert, self._copier.buffers[buffer][:self._stride])
+        segments = [(self.layout.slot_offset(role, load.slot), offset, nbytes)
+                    for role, offset, nbytes in self._segments[layer]]
+        with self.counters.timing("copy_wait_s"):
+            self._copier.copy(buffer, segments)
+        if self._copier.h2d:
+            self.counters.add(h2d_bytes=sum(nbytes for _, _, nbytes in segments))
+        if self._copier.pageable:
+            self.counters.record_fallback()
+
+    def _write_stats(self, now: bool = False) -> None:
+        try:
+            self.flusher.flush() if now else self.flusher.maybe_flush()
+        except OSError as exc:  # telemetry must not fail a decode
+            log.warning("could not write provider stats to %s: %s", self.flusher.path, exc)
+
+    def stats(self) -> dict:
+        """The counters (telemetry.ProviderCounters, with hit rate and bytes per token) and the pool's size."""
+        return dict(self.counters.snapshot().as_dict(), n_slots=self.n_slots, slot_bytes=self.layout.slot_bytes,
+                    pool_bytes=self.layout.pool_bytes, device=self.device)
+
+    def close(self) -> None:
+        """Detach from the context, stop the read threads, close files, free staging memory; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctx is not None:
+            native.detach(self._ctx)
+            self._ctx = None
+        for part in (self._reads, self._copier, self._reader):
+            if part is not None:
+                part.close()
+        self._reads = self._copier = None
+        if self.flusher is not None:
+            self._write_stats(now=True)
