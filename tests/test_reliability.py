@@ -257,49 +257,75 @@ def test_create_close_cycles_do_not_leak(models, form):
 
 # --- 5. a read failure mid-generation ---------------------------------------------------------------
 
-def test_eio_mid_generation_raises_then_recovers(models, monkeypatch):
-    """EIO from the read layer (``odirect._preadv``, what every DirectFile reads through by default) during
-    a decode step: create_completion raises the provider's PackIOError naming the pack, offset, layer and
-    expert of the failed block; io_errors counts it; the next request gives the no-fault tokens."""
-    model, pack = models["model"]
-    real = odirect._preadv
-    fault = dict(calls=0, fail_at=None, failed=[])
-    lock = threading.Lock()
+class FaultyPread:
+    """Replaces ``odirect._preadv`` (what every DirectFile reads through by default): counts reads, and
+    raises EIO at read number ``fail_at`` (None: never)."""
 
-    def counting(fd, view, offset):
-        with lock:
-            fault["calls"] += 1
-            fail = fault["calls"] == fault["fail_at"]
+    def __init__(self, real):
+        self.real, self.calls, self.fail_at, self.failed = real, 0, None, []
+        self._lock = threading.Lock()
+
+    def __call__(self, fd, view, offset):
+        with self._lock:
+            self.calls += 1
+            fail = self.calls == self.fail_at
             if fail:
-                fault["failed"].append(offset)
+                self.failed.append(offset)
         if fail:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, view, offset)
+        return self.real(fd, view, offset)
 
-    monkeypatch.setattr(odirect, "_preadv", counting)
-    with Llama(str(model), pack=pack, n_ubatch=2, cache_slots=8, **KW) as llm:  # a small pool: misses every step
-        fault["calls"] = 0
+
+SOURCES = {"pack": lambda models: dict(pack=models["model"][1]), "gguf_direct": lambda models: dict(gguf_direct=True)}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_eio_mid_generation_raises_then_recovers(models, monkeypatch, source, stream):
+    """EIO from the read layer during a decode step (3/4 of the way through the request's reads):
+    create_completion raises the provider's PackIOError naming the file, offset, layer and expert (and role
+    in GGUF-direct mode) of the failed read; io_errors counts it; no token comes out of the failed step
+    (streamed: only a prefix of the no-fault text came out); the next request gives the no-fault tokens."""
+    model, pack = models["model"]
+    fault = FaultyPread(odirect._preadv)
+    monkeypatch.setattr(odirect, "_preadv", fault)
+    kwargs = dict(SOURCES[source](models), n_ubatch=2, cache_slots=8, **KW)  # a small pool: misses every step
+    with Llama(str(model), **kwargs) as llm:
+        fault.calls = 0
         want = complete(llm)
-        n_reads, acquires = fault["calls"], llm.pack_stats()["acquires"]
+        n_reads, acquires = fault.calls, llm.pack_stats()["acquires"]
         # 4 prompt tokens in 2 ubatches, then 7 decodes, 4 MoE layers each; the first prompt ubatch has no
         # output row, so llama.cpp prunes its last layer's FFN: 4 * 9 - 1 acquires
         assert acquires == PROMPT_ACQUIRES + 4 * (N_TOKENS - 1)
 
-    with Llama(str(model), pack=pack, n_ubatch=2, cache_slots=8, **KW) as llm:
-        fault.update(calls=0, fail_at=n_reads * 3 // 4)  # well into the decode of the generated tokens
+    with Llama(str(model), **kwargs) as llm:
+        fault.calls, fault.fail_at = 0, n_reads * 3 // 4  # well into the decode of the generated tokens
+        pieces = []
         with pytest.raises(PackIOError) as info:
-            complete(llm)
+            if stream:
+                for chunk in llm.create_completion(PROMPT, max_tokens=N_TOKENS, temperature=0, stream=True):
+                    pieces.append(chunk["choices"][0]["text"])
+            else:
+                pieces.append(complete(llm))
+        assert want.startswith("".join(pieces)) and len("".join(pieces)) < len(want)
+        assert bool(pieces) == stream  # streamed: the tokens of the steps before the fault came out
         message = str(info.value)
-        match = re.fullmatch(rf"read error on {re.escape(str(pack))} at offset (\d+) \(layer (\d+) expert (\d+)\): "
-                             r"Input/output error", message)
-        assert match, message
-        offset, layer, expert = map(int, match.groups())
-        assert fault["failed"] == [offset]
-        with PackReader(pack) as reader:
-            assert reader.layout.block_offset(layer, expert) == offset
+        if source == "pack":
+            match = re.fullmatch(rf"read error on {re.escape(str(pack))} at offset (\d+) \(layer (\d+) expert "
+                                 r"(\d+)\): Input/output error", message)
+            assert match, message
+            offset, layer, expert = map(int, match.groups())
+            with PackReader(pack) as reader:
+                assert reader.layout.block_offset(layer, expert) == offset
+        else:
+            match = re.fullmatch(rf"read error on {re.escape(str(model))} at offset (\d+) \(layer \d+ expert \d+ "
+                                 r"role (gate|up|down)\): Input/output error", message)
+            assert match, message
+            offset = int(match.group(1))
+        assert fault.failed == [offset]
         stats = llm.pack_stats()
         assert stats["io_errors"] == 1
         assert PROMPT_ACQUIRES < stats["acquires"] < acquires  # past the prompt, before the end: mid-generation
-        fault["fail_at"] = None
+        fault.fail_at = None
         assert complete(llm) == want
         assert llm.pack_stats()["io_errors"] == 1

@@ -30,7 +30,11 @@ _SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32
 
 
 def vocab_dirs() -> list[Path]:
+    """$LLAMAPACK_VOCAB_DIR, then $LLAMAPACK_CACHE/vocab (where scripts/build_llama.py puts them), then the
+    default cache's."""
     dirs = [Path(os.environ[VOCAB_DIR_ENV])] if os.environ.get(VOCAB_DIR_ENV) else []
+    if os.environ.get("LLAMAPACK_CACHE"):
+        dirs.append(Path(os.environ["LLAMAPACK_CACHE"]) / "vocab")
     return dirs + [DEFAULT_VOCAB_DIR.expanduser()]
 
 
