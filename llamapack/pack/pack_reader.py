@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from llamapack.errors import IntegrityError, PackFormatError
+from llamapack.errors import IntegrityError, ModelMismatchError, PackFormatError
 
 from .contract import check_manifest_matches_model
 from .gguf_model import GgufModel, open_gguf
@@ -53,7 +53,11 @@ class PackReader:
             check_header(decode_header(page.tobytes(), self.pack_path), self.layout, manifest_sha256, self.pack_path)
             if model is not None:
                 model = model if isinstance(model, GgufModel) else open_gguf(model)
-                check_manifest_matches_model(self.manifest, model, check_source=check_source)
+                try:
+                    check_manifest_matches_model(self.manifest, model, check_source=check_source)
+                except ModelMismatchError as exc:  # say which files: the check itself knows only fields
+                    raise ModelMismatchError(f"{exc} (pack {self.pack_path}, manifest {self.manifest_path}, "
+                                             f"model {model.paths[0]})") from None
         except BaseException:
             self.close()
             raise
