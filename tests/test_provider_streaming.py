@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +34,11 @@ PRESETS = ("qwen3moe-tiny", "mixtral-tiny")
 # ---------------------------------------------------------------- worker side (a subprocess that loads llama.cpp)
 class FaultyRead:
     """A ``read_fn`` failing its ``at``-th call once armed: ``eio`` raises EIO, ``short`` reports 100 bytes
-    fewer than it read, ``einval`` (armed from the start) raises EINVAL as a filesystem without O_DIRECT does."""
+    fewer than it read, ``slow`` sleeps ``delay`` seconds before reading, ``einval`` (armed from the start)
+    raises EINVAL as a filesystem without O_DIRECT does."""
 
-    def __init__(self, kind: str | None = None, at: int = 1):
-        self.kind, self.at, self.armed = kind, at, kind == "einval"
+    def __init__(self, kind: str | None = None, at: int = 1, delay: float = 0.0):
+        self.kind, self.at, self.armed, self.delay = kind, at, kind == "einval", delay
         self.calls, self.failed_offsets = 0, []
         self._lock = threading.Lock()
 
@@ -48,6 +50,9 @@ class FaultyRead:
                 fail = self.calls == self.at
             if fail:
                 self.failed_offsets.append(offset)
+        if fail and self.kind == "slow":
+            time.sleep(self.delay)
+            return os.preadv(fd, [view], offset)
         if fail and self.kind in ("eio", "einval"):
             code = errno.EIO if self.kind == "eio" else errno.EINVAL
             raise OSError(code, os.strerror(code))
@@ -327,6 +332,21 @@ def test_read_fault_fails_the_decode_then_recovers(kind, source, models, vanilla
     assert np.array_equal(np.load(tmp_path / "f.npy"), vanilla("qwen3moe-tiny", 7))
 
 
+def test_read_past_the_timeout_fails_the_decode_then_recovers(models, vanilla, tmp_path):
+    gguf, pack = models["qwen3moe-tiny"]
+    spec = spec_for(gguf, 7, tmp_path / "t.npy", n_slots=16, provider="streaming",
+                    streaming=dict(stage_slots=4, read_timeout_s=0.3), fault=dict(kind="slow", at=40, delay=2.0),
+                    eval_first=True, **source_spec(models, "qwen3moe-tiny", "pack"))
+    result = run_self(spec, tmp_path)
+    assert result["decode_error"] == "llama_decode returned -3"
+    error = result["provider_error"]
+    assert error.startswith("PackIOError") and "did not finish within 0.3 s" in error and str(pack) in error
+    layer, expert = map(int, re.search(r"layer (\d+) expert (\d+)", error).groups())
+    assert [layer, expert] not in result["resident"]
+    assert result["stats_after_failure"]["io_errors"] >= 1
+    assert np.array_equal(np.load(tmp_path / "t.npy"), vanilla("qwen3moe-tiny", 7))
+
+
 def test_filesystem_without_o_direct_is_refused_at_init(models, tmp_path):
     gguf, _ = models["qwen3moe-tiny"]
     result = run_self(spec_for(gguf, 7, tmp_path / "x.npy", n_slots=16, provider="streaming",
@@ -498,7 +518,7 @@ def test_cuda_copier_logic_with_a_fake_cupy(pin_fails, monkeypatch):
     copier.synchronize()
     assert (device_memory[20000:28192] == 9).all() and device_memory.sum() == 7 * 310 + 9 * 8192
     copier.close()
-    assert copier.buffers == ()
+    assert copier.buffers == []
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ class HostCopier:
     def wait_until_free(self, index: int) -> None:
         """Copies are synchronous: a buffer is free as soon as ``copy`` returned."""
 
+    def replace_buffer(self, index: int) -> None:
+        """A fresh staging buffer i: the old one may still be written by a read that was abandoned."""
+        self.buffers[index] = aligned_empty(self.buffers[index].nbytes)
+
     def copy(self, index: int, segments) -> None:
         block = self.buffers[index]
         for pool_offset, block_offset, nbytes in segments:
@@ -84,8 +88,15 @@ class CudaCopier:
         with cupy.cuda.Device(device):
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self.events = [cupy.cuda.Event(disable_timing=True) for _ in range(n_buffers)]
-        self._owners, self.buffers = zip(*(pinned_buffer(cupy, buffer_bytes) for _ in range(n_buffers)))
+        owners, buffers = zip(*(pinned_buffer(cupy, buffer_bytes) for _ in range(n_buffers)))
+        self._owners, self.buffers = list(owners), list(buffers)
         self.pageable = any(owner is None for owner in self._owners)
+
+    def replace_buffer(self, index: int) -> None:
+        """A fresh staging buffer i: the old one may still be written by a read that was abandoned (its pinned
+        memory stays referenced by that read until it ends)."""
+        self._owners[index], self.buffers[index] = pinned_buffer(self._cupy, self.buffers[index].nbytes)
+        self.pageable = self.pageable or self._owners[index] is None
 
     def wait_until_free(self, index: int) -> None:
         with self._cupy.cuda.Device(self.device):  # called from a read thread
@@ -107,5 +118,5 @@ class CudaCopier:
     def close(self) -> None:
         """Wait for the copies, then give the pinned memory back to the driver."""
         self.synchronize()
-        self.buffers, self._owners = (), ()
+        self.buffers, self._owners = [], []
         self._cupy.get_default_pinned_memory_pool().free_all_blocks()

@@ -11,7 +11,8 @@ A failed read (I/O error, short read, sha256 mismatch) stops new reads, waits fo
 abandons the failed expert and every miss of the step not copied yet (their slots go back to the free list,
 mapped to no expert), counts ``io_errors`` and raises; the callback returns non-zero, so llama_decode fails
 and nothing computes on a partial slot. The next request starts from a consistent cache.
-Reads have no timeout: a read that hangs holds the decode.
+A read still running after ``read_timeout_s`` fails the step the same way; it is left behind with its
+staging buffer, which is replaced, so a late write lands in memory nothing reads.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from concurrent import futures
 import numpy as np
 
 from .. import native
+from ..errors import PackIOError
 from ..cache_policy import LfuLruPolicy, SlotAssignment
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
@@ -134,8 +136,12 @@ class StreamingProvider:
                     buffer = free_buffers.popleft()
                     in_flight[buffer] = (load := waiting.popleft(), self._start_read(load.key, buffer))
                 with self.counters.timing("read_wait_s"):
-                    futures.wait([f for _, pieces in in_flight.values() for f in pieces],
-                                 return_when=futures.FIRST_COMPLETED)
+                    done, _ = futures.wait([f for _, pieces in in_flight.values() for f in pieces],
+                                           timeout=self.settings.read_timeout_s, return_when=futures.FIRST_COMPLETED)
+                if not done:
+                    error = error or self._abandon_hung_reads(in_flight)
+                    in_flight.clear()
+                    continue
                 for buffer, (load, pieces) in list(in_flight.items()):
                     if not all(piece.done() for piece in pieces):
                         continue
@@ -159,6 +165,17 @@ class StreamingProvider:
                     self.policy.abandon(load.key)
         if error is not None:
             raise error
+
+    def _abandon_hung_reads(self, in_flight: dict) -> PackIOError:
+        """Leave the reads in flight behind (each with a fresh staging buffer in its place) after a timeout."""
+        keys = [load.key for load, _ in in_flight.values()]
+        for buffer in in_flight:
+            self._copier.replace_buffer(buffer)
+            self.counters.record_io_error()
+        layer, expert = keys[0]
+        return PackIOError(f"{', '.join(self._source.paths)}: reading layer {layer} expert {expert} did not finish "
+                           f"within {self.settings.read_timeout_s:g} s (read_timeout_s); {len(keys)} read(s) "
+                           "abandoned")
 
     def _start_read(self, key: tuple[int, int], buffer: int) -> list[futures.Future]:
         return [self._reads.submit(self._read_piece, key, buffer, start, end) for start, end in self._source.pieces]
