@@ -517,6 +517,10 @@ def test_cuda_copier_logic_with_a_fake_cupy(pin_fails, monkeypatch):
     copier.wait_until_free(0)  # buffer 0's copies are older: buffer 1's may still be pending
     copier.synchronize()
     assert (device_memory[20000:28192] == 9).all() and device_memory.sum() == 7 * 310 + 9 * 8192
+    abandoned = copier.buffers[1]
+    copier.replace_buffer(1)  # after a read timeout: the late read keeps writing into the old buffer
+    assert copier.buffers[1] is not abandoned and copier.buffers[1].nbytes == 8192
+    assert copier.buffers[1].ctypes.data % 4096 == 0
     copier.close()
     assert copier.buffers == []
 
