@@ -409,6 +409,9 @@ def test_slot_budget():
         slot_budget(StreamingSettings(cache_vram_mib=2), **dict(host, n_ubatch=7, free_vram=2000 * MIB))
     with pytest.raises(CapacityError, match="holds 3 experts"):
         slot_budget(StreamingSettings(n_slots=3), **host)
+    # a reserve larger than the free VRAM leaves no slot: refused with the numbers, never a negative budget
+    with pytest.raises(CapacityError, match=r"holds 0 experts .*2048 MiB VRAM free - 4096 MiB reserve"):
+        slot_budget(StreamingSettings(cache_vram_reserve_mib=4096), **gpu)
     with pytest.raises(ValueError, match="stage_slots"):
         StreamingSettings(stage_slots=0)
 
