@@ -30,17 +30,19 @@ ARCHS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tin
 
 
 def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_lib: Path, tmp: Path,
-            device: int = 0, n_prompt: int = 64) -> dict:
+            device: int = 0, n_prompt: int = 64, provider: str = "reference") -> dict:
     spec = PRESETS[preset]
     n_slots = min(spec.n_expert, spec.n_expert_used * n_ubatch)
     base = dict(model=str(model), n_ubatch=n_ubatch, n_prompt=n_prompt, n_decode=32, n_gpu_layers=99, n_threads=4)
     t0 = time.time()
     want, _ = logits(dict(base, mode="vanilla", out=str(tmp / "v.npy")), tmp, lib_dir=vanilla_lib)
     noprov, _ = logits(dict(base, mode="vanilla", out=str(tmp / "p.npy")), tmp, lib_dir=patched_lib)
-    got, stats = logits(dict(base, mode="hook", device=device, n_slots=n_slots, out=str(tmp / "h.npy")), tmp,
+    got, stats = logits(dict(base, mode="hook", device=device, n_slots=n_slots, provider=provider,
+                             out=str(tmp / "h.npy")), tmp,
                         lib_dir=patched_lib)
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    return dict(preset=preset, n_ubatch=n_ubatch, n_prompt=n_prompt, n_slots=n_slots, n_expert=spec.n_expert,
+    return dict(preset=preset, provider=provider, n_ubatch=n_ubatch, n_prompt=n_prompt, n_slots=n_slots,
+                n_expert=spec.n_expert,
                 rows=int(want.shape[0]), bit_exact=bool(np.array_equal(got, want)),
                 patched_no_provider_bit_exact=bool(np.array_equal(noprov, want)),
                 max_abs_diff=float(diff.max()), rows_differing=int((diff.max(axis=1) > 0).sum()),
@@ -67,6 +69,7 @@ def main() -> int:
     parser.add_argument("--archs", nargs="*", default=list(ARCHS))
     parser.add_argument("--ubatch", nargs="*", type=int, default=[1, 7, 512])
     parser.add_argument("--n-prompt", type=int, default=64, help="prompt tokens (n_ctx is 256)")
+    parser.add_argument("--provider", choices=["reference", "streaming"], default="reference")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
     args = parser.parse_args()
     results = []
@@ -76,7 +79,8 @@ def main() -> int:
             model = write_model(tmp / f"{preset}.gguf", preset, seed=0)
             for n_ubatch in args.ubatch:
                 try:
-                    r = compare(preset, n_ubatch, model, args.vanilla_lib, args.patched_lib, tmp, args.device, args.n_prompt)
+                    r = compare(preset, n_ubatch, model, args.vanilla_lib, args.patched_lib, tmp, args.device,
+                                args.n_prompt, args.provider)
                 except AssertionError as exc:  # a worker crashed: record it, go on with the rest
                     r = dict(preset=preset, n_ubatch=n_ubatch, error=str(exc)[-2000:])
                 print(json.dumps(r), flush=True)

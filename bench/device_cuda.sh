@@ -39,5 +39,6 @@ fi
 if [ "$stage" = all ] || [ "$stage" = compare ]; then
     python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_bitexact.json" --device "${POOL_DEVICE:-0}" ${ARCHS:+--archs $ARCHS} \
-        ${UBATCH:+--ubatch $UBATCH} ${NPROMPT:+--n-prompt $NPROMPT} 2>&1 | tail -40
+        ${UBATCH:+--ubatch $UBATCH} ${NPROMPT:+--n-prompt $NPROMPT} \
+        ${PROVIDER:+--provider $PROVIDER} 2>&1 | tail -40
 fi

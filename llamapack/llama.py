@@ -5,8 +5,9 @@
     llm = llamapack.Llama("model.gguf")                             # exactly llama_cpp.Llama
 
 Only the pack parameters are added; every other argument goes to ``llama_cpp.Llama`` unchanged. In pack
-mode the model loads with its routed experts left on disk and CPU weight repacking off (``use_extra_bufts``:
-llama.cpp's repacked layouts use kernels that round differently from the GGUF bytes the pool holds).
+mode the model loads with its routed experts left on disk and, when the pool is in host memory, CPU weight
+repacking off (``use_extra_bufts``: llama.cpp's repacked layouts use kernels that round differently from
+the GGUF bytes the pool holds).
 Experts are served by ``provider.streaming.StreamingProvider``; its settings (``StreamingSettings``) are
 keyword parameters of the same names.
 """
@@ -76,13 +77,15 @@ class Llama(llama_cpp.Llama):
             super().__init__(model_path, *args, **kwargs)
             return
         reader = self._open_reader(model_path)  # a bad pack fails here, before the model loads
+        # a host pool computes experts with the CPU's plain kernels: keep llama.cpp from repacking the rest
+        device = 0 if kwargs.get("n_gpu_layers", 0) and llama_cpp.llama_supports_gpu_offload() else -1
+        overrides = {"use_extra_bufts": False} if device < 0 else {}
         try:
-            with model_params_override(use_extra_bufts=False), native.lazy_experts_load():
+            with model_params_override(**overrides), native.lazy_experts_load():
                 super().__init__(model_path, *args, **kwargs)
             tensors = native.expert_tensors(native.model_ptr(self._model))
             arch = self.metadata.get("general.architecture", "")
             n_used = int(self.metadata.get(f"{arch}.expert_used_count", max(t.n_expert for t in tensors)))
-            device = 0 if kwargs.get("n_gpu_layers", 0) and llama_cpp.llama_supports_gpu_offload() else -1
             self._provider = StreamingProvider(
                 native.model_ptr(self._model), native.context_ptr(self._ctx), reader, self.pack_settings.streaming,
                 n_ubatch=self.context_params.n_ubatch, n_expert_used=n_used, device=device)

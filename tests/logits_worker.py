@@ -40,9 +40,10 @@ def load(spec: dict):
                   n_gpu_layers=spec.get("n_gpu_layers", 0),
                   n_ubatch=spec["n_ubatch"], logits_all=True, n_threads=spec.get("n_threads", 2),
                   n_threads_batch=spec.get("n_threads", 2), verbose=False, seed=0)
-    # CPU: repack off on both sides (see test_hook_bitexact). CUDA builds: left alone, llama.cpp 0c1e570
-    # crashes loading with use_extra_bufts=False there, and offloaded weights are never repacked anyway.
-    overrides = {} if spec.get("n_gpu_layers", 0) else {"use_extra_bufts": spec.get("repack", False)}
+    # CPU: repack off on both sides (see test_hook_bitexact). Layers offloaded to a GPU are never repacked:
+    # there the default stands, as in llamapack.Llama.
+    gpu_build = llama_cpp.llama_supports_gpu_offload()
+    overrides = {} if gpu_build and spec.get("n_gpu_layers", 0) else {"use_extra_bufts": spec.get("repack", False)}
     with model_params_override(**overrides):
         if spec["mode"] == "vanilla":
             return llama_cpp.Llama(**kwargs), None
