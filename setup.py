@@ -9,6 +9,7 @@ setup(
     version="0.1.0",
     description="Serve Mixture-of-Experts LLMs with routed experts streamed from SSD through a patched llama.cpp",
     packages=find_packages(include=["llamapack", "llamapack.*"]),
+    package_data={"llamapack.server": ["static/*"]},
     python_requires=">=3.10",
     setup_requires=["cffi>=1.15"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
@@ -17,7 +18,7 @@ setup(
     install_requires=["numpy", "gguf==0.19.0", "cffi>=1.15", "click>=8", "flask>=3", "tqdm",
                       "diskcache>=5.6.1", "jinja2>=2.11.3", "typing-extensions>=4.5.0"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "openai"],
         "cuda12": ["cupy-cuda12x"],
         "cuda13": ["cupy-cuda13x"],
     },

@@ -147,6 +147,38 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 
 
 @main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--pack", "pack", is_flag=False, flag_value="", default=None, metavar="[PACK]",
+              help="Serve routed experts from PACK (no value: <stem>.expert-pack beside MODEL).")
+@click.option("--gguf-direct", is_flag=True, help="Serve routed experts straight from MODEL (no pack).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--api-key", envvar="LLAMAPACK_API_KEY", help="Require Authorization: Bearer KEY (env LLAMAPACK_API_KEY).")
+@click.option("--queue-size", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Generation requests admitted at once (running + waiting); more get 429.")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: llama-cpp-python's).")
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
+@click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
+def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
+          queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None) -> None:
+    """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
+    from werkzeug.serving import run_simple
+
+    from llamapack.run import open_model
+    from llamapack.server import create_app
+
+    params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
+    if threads is not None:
+        params.update(n_threads=threads, n_threads_batch=threads)
+    with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
+                    **params) as llm:
+        app = create_app(llm, api_key=api_key, queue_size=queue_size)
+        click.echo(f"serving {app.extensions['llamapack'].model_name} on http://{host}:{port}/v1", err=True)
+        run_simple(host, port, app, threaded=True)
+
+
+@main.command()
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 def demo(max_tokens: int) -> None:
     """Make a small synthetic MoE model and its pack, run it from the pack and check it against llama.cpp."""

@@ -119,7 +119,7 @@ class Runner:
 
     def complete(self, prompt: str, **sampling) -> Iterator[str]:
         """Text pieces of the completion of ``prompt`` as they come (``create_completion`` arguments)."""
-        with self._timed():
+        with self.timed():
             for chunk in self.llm.create_completion(prompt, stream=True, **sampling):
                 yield chunk["choices"][0]["text"]
 
@@ -127,7 +127,7 @@ class Runner:
         """Text pieces of the assistant's reply to ``messages`` (the GGUF's chat template); when the
         reply is complete it is appended to ``messages``."""
         pieces = []
-        with self._timed():
+        with self.timed():
             for chunk in self.llm.create_chat_completion(messages, stream=True, **sampling):
                 text = chunk["choices"][0]["delta"].get("content")
                 if text:
@@ -139,7 +139,7 @@ class Runner:
         return self.llm.pack_stats() if hasattr(self.llm, "pack_stats") else {}
 
     @contextmanager
-    def _timed(self):
+    def timed(self):
         """Times the eval calls of one request (the instance's ``eval`` is wrapped while it runs)."""
         llm, ends, counts = self.llm, [], []
         evaluate = llm.eval

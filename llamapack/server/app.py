@@ -1,0 +1,254 @@
+"""OpenAI-compatible Flask app around one loaded model (a ``llamapack.Llama`` or any ``llama_cpp.Llama``).
+
+One generation runs at a time (``state.lock``); up to ``queue_size`` generation requests are admitted at
+once (the one generating plus those waiting for it), one more is answered 429 with ``Retry-After``. A
+streamed request holds its admission until its response is closed: finished, failed, or its client gone
+(the WSGI server closes the response iterable, which runs the stream's ``finally``).
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "code"}}``, status chosen by exception type.
+``/stats`` gives the pack counters and the last request's rates; ``/`` is a chat page (static/index.html).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from ..errors import CapacityError, LlamapackError, NativeError, PackIOError
+from ..run import RunStats, Runner
+
+
+class ApiError(LlamapackError):
+    """A request the server refuses; the subclass decides the HTTP status."""
+
+
+class BadRequestError(ApiError):
+    """Malformed JSON, missing or out-of-range fields, a prompt the context cannot hold."""
+
+
+class AuthenticationError(ApiError):
+    """Missing or wrong API key."""
+
+
+class ModelNotFoundError(ApiError):
+    """A model name other than the one served."""
+
+
+class QueueFullError(ApiError):
+    """Every admission slot is taken."""
+
+
+# exception type -> (HTTP status, OpenAI error type, code); the closest class in the MRO wins
+ERRORS = {
+    BadRequestError: (400, "invalid_request_error", None),
+    AuthenticationError: (401, "invalid_request_error", "invalid_api_key"),
+    ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
+    QueueFullError: (429, "rate_limit_error", "queue_full"),
+    CapacityError: (503, "server_error", "capacity"),
+    PackIOError: (500, "server_error", "pack_io_error"),
+    NativeError: (500, "server_error", "native_error"),
+    LlamapackError: (500, "server_error", None),
+}
+RETRY_AFTER_S = 1
+
+
+def error_body(exc: BaseException) -> tuple[dict, int]:
+    """OpenAI's error JSON for ``exc`` and its HTTP status."""
+    if isinstance(exc, HTTPException):  # routing: unknown path, wrong method
+        return {"error": {"message": exc.description, "type": "invalid_request_error", "code": None}}, exc.code
+    for cls in type(exc).__mro__:
+        if cls in ERRORS:
+            status, kind, code = ERRORS[cls]
+            return {"error": {"message": " ".join(str(exc).split()), "type": kind, "code": code}}, status
+    return {"error": {"message": "internal server error", "type": "server_error", "code": None}}, 500
+
+
+@dataclass
+class ServerState:
+    llm: object
+    model_name: str
+    api_key: str | None
+    queue_size: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    admitted: threading.BoundedSemaphore = field(init=False)
+    last: RunStats = field(default_factory=RunStats)   # the last finished generation
+    total: RunStats = field(default_factory=RunStats)  # every generation since start
+
+    def __post_init__(self):
+        self.admitted = threading.BoundedSemaphore(self.queue_size)
+
+
+def create_app(llm, *, api_key: str | None = None, queue_size: int = 4, model_name: str | None = None) -> Flask:
+    """A Flask app serving ``llm``: OpenAI routes under ``/v1``, ``/stats``, a chat page at ``/``. With
+    ``api_key`` every route but the page and its static files wants ``Authorization: Bearer <api_key>``."""
+    if queue_size < 1:
+        raise LlamapackError(f"queue_size must be at least 1, not {queue_size}")
+    app = Flask(__name__)
+    state = ServerState(llm, model_name or os.path.basename(llm.model_path), api_key, queue_size)
+    app.extensions["llamapack"] = state
+
+    @app.errorhandler(Exception)
+    def on_error(exc):
+        body, status = error_body(exc)
+        if status >= 500:
+            app.logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+        response = jsonify(body)
+        response.status_code = status
+        if isinstance(exc, QueueFullError):
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+    @app.before_request
+    def check_key():
+        if state.api_key is None or request.endpoint in ("index", "static"):
+            return
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+            raise AuthenticationError("invalid or missing API key (send Authorization: Bearer KEY)")
+
+    @app.get("/")
+    def index():
+        return app.send_static_file("index.html")
+
+    def model_card():
+        return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "llamapack"}
+
+    @app.get("/v1/models")
+    def models():
+        return jsonify({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:name>")
+    def model(name):
+        if name != state.model_name:
+            raise ModelNotFoundError(f"model {name!r} not found (this server serves {state.model_name!r})")
+        return jsonify(model_card())
+
+    @app.post("/v1/completions")
+    def completions():
+        body = request_json(state)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequestError("'prompt' must be a string")
+        return generate(state, lambda llm, **kw: llm.create_completion(prompt, **kw), body)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        body = request_json(state)
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
+                for m in messages)):
+            raise BadRequestError("'messages' must be a non-empty list of {role, content} objects")
+        if "max_completion_tokens" in body and "max_tokens" not in body:
+            body["max_tokens"] = body["max_completion_tokens"]
+        return generate(state, lambda llm, **kw: llm.create_chat_completion(messages, **kw), body)
+
+    @app.get("/stats")
+    def stats():
+        pack = llm.pack_stats() if hasattr(llm, "pack_stats") else {}
+
+        def numbers(run: RunStats) -> dict:  # pack counters are reported once, above
+            return {k: v for k, v in run.as_dict().items() if k != "pack"}
+
+        return jsonify({"model": state.model_name, "pack": pack, "last_request": numbers(state.last),
+                        "total": numbers(state.total), "busy": state.lock.locked()})
+
+    return app
+
+
+def request_json(state: ServerState) -> dict:
+    body = request.get_json(force=True, silent=True)
+    if not isinstance(body, dict):
+        raise BadRequestError("the request body must be a JSON object")
+    name = body.get("model")
+    if name is not None and name != state.model_name:
+        raise ModelNotFoundError(f"model {name!r} not found (this server serves {state.model_name!r})")
+    return body
+
+
+def sampling(body: dict) -> dict:
+    """llama_cpp keyword arguments from the OpenAI fields present in ``body`` (absent: llama_cpp's defaults)."""
+    def number(name, lo, hi, kind=(int, float)):
+        value = body.get(name)
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, kind) or not lo <= value <= hi:
+            raise BadRequestError(f"'{name}' must be a number in [{lo}, {hi}]")
+        out[name] = value
+
+    out = {}
+    number("max_tokens", 1, 1 << 31, int)
+    number("temperature", 0, 2)
+    number("top_p", 0, 1)
+    number("seed", 0, 1 << 63, int)
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise BadRequestError("'stop' must be a string or a list of strings")
+        out["stop"] = stop
+    if body.get("n", 1) != 1:
+        raise BadRequestError("only n=1 is supported")
+    return out
+
+
+def generate(state: ServerState, create, body: dict):
+    """Run ``create(llm, **kwargs)`` for one admitted request; a JSON response, or an SSE stream."""
+    kwargs = sampling(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequestError("'stream' must be true or false")
+    if not state.admitted.acquire(blocking=False):
+        raise QueueFullError(f"the server is busy ({state.queue_size} requests admitted); retry later")
+    with ExitStack() as done:  # undone in reverse: stream closed, timing stopped, stats kept, lock, admission
+        done.callback(state.admitted.release)
+        state.lock.acquire()
+        done.callback(state.lock.release)
+        runner = Runner(state.llm)
+        done.callback(record, state, runner)
+        done.enter_context(runner.timed())
+        try:
+            result = create(state.llm, stream=stream, model=state.model_name, **kwargs)
+            if stream:
+                done.callback(result.close)
+                first = next(result, None)  # errors before the first token still get their HTTP status
+        except ValueError as exc:  # llama_cpp: a prompt longer than the context, bad arguments
+            raise BadRequestError(str(exc)) from None
+        if not stream:
+            return jsonify(result)
+        finish = done.pop_all().close  # idempotent; the stream's end, or the response's close, calls it
+    response = Response(sse(result, first, finish), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response.call_on_close(finish)  # also when the stream never started
+    return response
+
+
+def sse(chunks, first, finish):
+    """Server-sent events of ``first`` and the rest of ``chunks``, then ``[DONE]``."""
+    try:
+        chunk = first
+        while chunk is not None:
+            yield f"data: {json.dumps(chunk)}\n\n"
+            chunk = next(chunks, None)
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # the status line is sent: report the error in the stream
+        if error_body(exc)[1] >= 500:
+            logging.getLogger(__name__).error("generation failed mid-stream", exc_info=exc)
+        yield f"data: {json.dumps(error_body(exc)[0])}\n\n"
+    finally:  # also on GeneratorExit: the client went away
+        finish()
+
+
+def record(state: ServerState, runner: Runner) -> None:
+    if runner.stats.n_requests:
+        state.last = runner.stats
+        state.total += runner.stats
