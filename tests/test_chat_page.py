@@ -1,0 +1,144 @@
+"""The chat page (``/``) driven in headless Chromium against a live loopback server: a streamed reply, the
+live stats panel, and the Stop button. Saves a screenshot in the test's tmp directory; with
+LLAMAPACK_UPDATE_SCREENSHOT=1 it replaces the committed ``tests/screenshots/chat_page.png``.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` (CI installs them); without them this test fails."""
+from __future__ import annotations
+
+import llama_cpp  # noqa: F401 - before numpy (a CUDA build crashed otherwise)
+
+import os
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from test_server import NAME, llm, model_path, raw, serve  # noqa: F401 - fixtures reused
+
+SCREENSHOT = Path(__file__).resolve().parent / "screenshots" / "chat_page.png"
+INSTALL = "apt-get update && apt-get install -y chromium chromium-driver"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@contextmanager
+def chromium_driver(profile: Path):
+    """Headless Chromium through Debian's chromedriver; a test failure (not a skip) when either is missing."""
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver") or (
+        CHROMEDRIVER if os.path.exists(CHROMEDRIVER) else None)
+    if not chromium or not chromedriver:
+        pytest.fail(f"chromium and chromedriver are needed for the chat page test; as root: {INSTALL}")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.fail("selenium is needed for the chat page test: pip install -e '.[test]'")
+    os.environ["SE_OFFLINE"] = "true"  # never let Selenium Manager download a browser or a driver
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1000,640"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+def test_chat_page_streams_shows_stats_and_stops(serve, tmp_path):
+    with chromium_driver(tmp_path / "profile") as browser:
+        drive(serve(), browser, tmp_path)
+
+
+def drive(base: str, browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(base + "/")
+    assert browser.title == "llamapack chat"
+    text = lambda css: [e.text for e in browser.find_elements(By.CSS_SELECTOR, css)]  # noqa: E731
+    assistant = lambda: browser.execute_script(  # noqa: E731 - textContent: also while scrolled out of view
+        "const a = document.querySelectorAll('.msg.assistant'); return a.length ? a[a.length - 1].textContent : null")
+    stat = lambda i: browser.find_element(By.ID, i).text  # noqa: E731
+
+    # the panel is filled from /stats right away, before any request
+    wait_for(lambda: stat("model") == NAME and stat("busy") == "idle", 10, "the first /stats poll")
+
+    # 1. a message: the reply streams in (several lengths seen), then the page is ready again
+    browser.find_element(By.ID, "max").clear()
+    browser.find_element(By.ID, "max").send_keys("120")
+    browser.find_element(By.ID, "input").send_keys("Hello there, tiny model")
+    browser.find_element(By.ID, "send").click()
+    lengths = []
+    deadline = time.monotonic() + 30
+    while True:
+        reply = assistant()
+        if reply:
+            lengths.append(len(reply))
+        if browser.find_element(By.ID, "send").is_enabled() and lengths:
+            break
+        assert time.monotonic() < deadline, "the first reply did not finish"
+        time.sleep(0.02)
+    assert text(".msg.user") == ["Hello there, tiny model"]
+    assert text(".error") == []
+    grown = sorted(set(lengths))
+    assert len(grown) >= 2 and lengths == sorted(lengths), f"the reply did not stream: lengths {lengths}"
+    first_reply = assistant()
+    assert len(first_reply) > 20 and browser.find_element(By.ID, "input").get_attribute("value") == ""
+
+    # 2. the stats panel shows the request's numbers (polled once a second)
+    def panel():
+        hit, bpt, tps = stat("hit"), stat("bpt"), stat("tps")
+        ok = (re.fullmatch(r"\d+\.\d %", hit) and re.fullmatch(r"[\d.]+ (B|KiB|MiB)", bpt)
+              and re.fullmatch(r"\d+\.\d", tps) and float(tps) > 0 and stat("busy") == "idle")
+        return ok and (hit, bpt, tps)
+    hit, bpt, tps = wait_for(panel, 10, "the stats panel to show the first request's numbers")
+    assert 0 <= float(hit[:-2]) <= 100 and float(bpt.split()[0]) > 0
+    stats = raw(base, "/stats")[1]
+    assert stats["total"]["n_requests"] == 1 and not stats["busy"]
+    assert tps == f"{stats['last_request']['decode_tok_s']:.1f}"
+    # the panel follows the server's numbers (pack counters may still move a little after a reply: re-poll)
+    wait_for(lambda: stat("hit") == f"{100 * raw(base, '/stats')[1]['pack']['hit_rate']:.1f} %", 5,
+             "the panel's hit rate to match /stats", interval=0.2)
+
+    # 3. a longer reply, stopped midway: the server stops generating and the text stops growing
+    browser.find_element(By.ID, "max").clear()
+    browser.find_element(By.ID, "max").send_keys("350")
+    browser.find_element(By.ID, "input").send_keys("Tell me a long story")
+    browser.find_element(By.ID, "send").click()
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2 and len(assistant() or "") > 10,
+             30, "the second reply to start")
+    wait_for(lambda: stat("busy") == "generating", 5, "the panel to show the server generating")
+    stop = browser.find_element(By.ID, "stop")
+    assert stop.is_enabled() and not browser.find_element(By.ID, "send").is_enabled()
+    stop.click()
+    stats = wait_for(lambda: (lambda s: s["total"]["n_requests"] == 2 and not s["busy"] and s)(raw(base, "/stats")[1]),
+                     20, "the server to stop generating after Stop")
+    assert 0 < stats["last_request"]["n_generated"] < 350, stats["last_request"]  # stopped early, not run out
+    wait_for(lambda: browser.find_element(By.ID, "send").is_enabled(), 5, "Send to be enabled again")
+    assert not stop.is_enabled()
+    stopped = assistant()
+    time.sleep(1.5)
+    assert assistant() == stopped, "the reply kept growing after Stop"
+    assert text(".user.msg") == ["Hello there, tiny model", "Tell me a long story"] and text(".error") == []
+    wait_for(lambda: stat("busy") == "idle", 5, "the panel to show the server idle")
+
+    shot = SCREENSHOT if os.environ.get("LLAMAPACK_UPDATE_SCREENSHOT") == "1" else tmp_path / SCREENSHOT.name
+    shot.parent.mkdir(exist_ok=True)
+    browser.save_screenshot(str(shot))
+    png = shot.read_bytes()
+    assert png.startswith(b"\x89PNG") and 5_000 < len(png) < 500_000
