@@ -137,6 +137,8 @@ def drive(base: str, browser, tmp_path: Path) -> None:
     assert text(".user.msg") == ["Hello there, tiny model", "Tell me a long story"] and text(".error") == []
     wait_for(lambda: stat("busy") == "idle", 5, "the panel to show the server idle")
 
+    # the chart of hit rate and tok/s over time has been drawn from several polls
+    assert int(browser.find_element(By.ID, "chart").get_attribute("data-points")) >= 3
     shot = SCREENSHOT if os.environ.get("LLAMAPACK_UPDATE_SCREENSHOT") == "1" else tmp_path / SCREENSHOT.name
     shot.parent.mkdir(exist_ok=True)
     browser.save_screenshot(str(shot))
