@@ -7,7 +7,8 @@ acquires, so a reader sees either the previous complete file or the new complete
 
 Conventions: cache hits and misses count distinct (layer, expert) keys per acquire; ``tokens`` counts each
 token once (the provider adds a ubatch's tokens once, not once per MoE layer); the ``*_wait_s`` fields are
-seconds the provider spent waiting on pack reads and on host-to-device copies.
+seconds the provider spent waiting on pack reads and on host-to-device copies; ``provide_s`` is all of its
+time inside ``acquire``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class ProviderCounters:
     io_errors: int = 0
     read_wait_s: float = 0.0
     copy_wait_s: float = 0.0
+    provide_s: float = 0.0  # seconds inside acquire (policy, reads, copies): decode time minus this is compute
 
     @property
     def lookups(self) -> int:
@@ -105,8 +107,9 @@ class CounterAccumulator:
 
     @contextmanager
     def timing(self, wait_counter: str) -> Iterator[None]:
-        """Add the seconds the ``with`` body takes to ``wait_counter`` (``read_wait_s`` or ``copy_wait_s``)."""
-        if wait_counter not in ("read_wait_s", "copy_wait_s"):
+        """Add the seconds the ``with`` body takes to ``wait_counter`` (``read_wait_s``, ``copy_wait_s`` or
+        ``provide_s``)."""
+        if wait_counter not in ("read_wait_s", "copy_wait_s", "provide_s"):
             raise TypeError(f"not a wait counter: {wait_counter!r}")
         started = time.perf_counter()
         try:

@@ -104,8 +104,8 @@ def test_json_has_every_counter_and_the_derived_numbers():
     data = json.loads(snap.to_json())
     assert data["acquires"] == 2 and data["hit_rate"] == 0.25 and data["read_bytes_per_token"] == 10
     assert set(data) == {"acquires", "tokens", "cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes",
-                         "h2d_bytes", "fallback_count", "io_errors", "read_wait_s", "copy_wait_s", "hit_rate",
-                         "read_bytes_per_token", "h2d_bytes_per_token"}
+                         "h2d_bytes", "fallback_count", "io_errors", "read_wait_s", "copy_wait_s", "provide_s",
+                         "hit_rate", "read_bytes_per_token", "h2d_bytes_per_token"}
 
 
 def test_flusher_writes_every_n_acquires(tmp_path):

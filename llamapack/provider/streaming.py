@@ -97,7 +97,8 @@ class StreamingProvider:
             n = n_used * n_tokens
             ids = np.frombuffer(ffi.buffer(ids_ptr, 4 * n), dtype=np.int32)
             slots = np.frombuffer(ffi.buffer(slots_ptr, 4 * n), dtype=np.int32)
-            slots[:] = self.acquire(layer, ids)
+            with self.counters.timing("provide_s"):
+                slots[:] = self.acquire(layer, ids)
             return 0
         except BaseException as exc:  # noqa: BLE001 - must not unwind into C; reported by the caller
             self.error = exc
