@@ -8,7 +8,8 @@ acquires, so a reader sees either the previous complete file or the new complete
 Conventions: cache hits and misses count distinct (layer, expert) keys per acquire; ``tokens`` counts each
 token once (the provider adds a ubatch's tokens once, not once per MoE layer); the ``*_wait_s`` fields are
 seconds the provider spent waiting on pack reads and on host-to-device copies; ``provide_s`` is all of its
-time inside ``acquire``.
+time inside ``acquire``. The ``ram_*`` fields count the host-RAM tier's lookups (one per slot-pool miss);
+``pack_read_bytes`` counts only what was read from the SSD.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class ProviderCounters:
     read_wait_s: float = 0.0
     copy_wait_s: float = 0.0
     provide_s: float = 0.0  # seconds inside acquire (policy, reads, copies): decode time minus this is compute
+    ram_hits: int = 0       # host-RAM tier: slot-pool misses served from a RAM block (no SSD read)
+    ram_misses: int = 0     # slot-pool misses read from the SSD into a RAM block (ram_hits + ram_misses ==
+    ram_evictions: int = 0  # cache_misses while the tier is on); RAM blocks taken from another expert
 
     @property
     def lookups(self) -> int:
@@ -98,6 +102,9 @@ class CounterAccumulator:
 
     def record_copy(self, nbytes: int, wait_s: float = 0.0) -> None:
         self.add(h2d_bytes=nbytes, copy_wait_s=wait_s)
+
+    def record_ram(self, hits: int, misses: int, evictions: int) -> None:
+        self.add(ram_hits=hits, ram_misses=misses, ram_evictions=evictions)
 
     def record_fallback(self) -> None:
         self.add(fallback_count=1)

@@ -88,7 +88,9 @@ def provider_worker(spec: dict) -> dict:
             result.update(decode_error=str(exc), provider_error=f"{type(provider.error).__name__}: {provider.error}")
             provider.error = None
         result.update(failed_offsets=fault.failed_offsets, stats_after_failure=provider.stats(),
-                      resident=[list(key) for key in provider.policy.resident()])
+                      resident=[list(key) for key in provider.policy.resident()],
+                      ram_resident=[list(key) for key in provider.tier.resident()] if provider.tier else [],
+                      trace_after_failure=len(trace))
     if spec.get("n_decode") is not None:
         np.save(spec["out"], greedy_logits(llm, prompt, spec["n_decode"]))
     result.update(stats=provider.stats(), trace=trace)

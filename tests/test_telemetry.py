@@ -105,7 +105,21 @@ def test_json_has_every_counter_and_the_derived_numbers():
     assert data["acquires"] == 2 and data["hit_rate"] == 0.25 and data["read_bytes_per_token"] == 10
     assert set(data) == {"acquires", "tokens", "cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes",
                          "h2d_bytes", "fallback_count", "io_errors", "read_wait_s", "copy_wait_s", "provide_s",
+                         "ram_hits", "ram_misses", "ram_evictions",
                          "hit_rate", "read_bytes_per_token", "h2d_bytes_per_token"}
+
+
+def test_ram_tier_counters():
+    counters = CounterAccumulator()
+    counters.record_acquire(hits=1, misses=6, evictions=2)
+    counters.record_ram(hits=3, misses=2, evictions=1)
+    counters.record_ram(hits=0, misses=1, evictions=0)
+    snap = counters.snapshot()
+    assert (snap.ram_hits, snap.ram_misses, snap.ram_evictions) == (3, 3, 1)
+    assert snap.ram_hits + snap.ram_misses == snap.cache_misses
+    assert snap.minus(ProviderCounters(ram_hits=1)).ram_hits == 2
+    with pytest.raises(ValueError, match="can only grow"):
+        counters.record_ram(hits=-1, misses=0, evictions=0)
 
 
 def test_flusher_writes_every_n_acquires(tmp_path):

@@ -1,6 +1,7 @@
 """Staging buffers and the copies from them into pool slots, for a host pool and for a GPU pool.
 
-Both copiers hold ``buffers`` (page-aligned, one expert block each) and offer the same four steps:
+Both copiers hold ``buffers`` (page-aligned, one expert block each: the staging buffers, or the host-RAM
+tier's blocks when there is one; carved from a few large allocations) and offer the same four steps:
 ``wait_until_free(i)`` before a read refills buffer i, ``copy(i, segments)`` to copy a read block into
 its slot (``segments``: (pool offset, block offset, nbytes) per role), ``synchronize()`` before the
 provider returns to llama.cpp (every copy complete), ``close()``.
@@ -12,6 +13,7 @@ import logging
 import numpy as np
 
 from ..errors import NativeError
+from .host_tier import chunked_blocks
 from .slots import ALIGNMENT, aligned_empty
 
 log = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ class HostCopier:
     def __init__(self, pool_bytes: int, n_buffers: int, buffer_bytes: int):
         self.pool = aligned_empty(pool_bytes)
         self.pool[:] = 0  # kernels may read past row ends: tails stay zero
-        self.buffers = [aligned_empty(buffer_bytes) for _ in range(n_buffers)]
+        _, self.buffers = chunked_blocks(lambda nbytes: (None, aligned_empty(nbytes)), n_buffers, buffer_bytes)
         self.pageable = False
 
     @property
@@ -65,7 +67,7 @@ def pinned_buffer(cupy, nbytes: int):
     try:
         memory = cupy.cuda.alloc_pinned_memory(nbytes + ALIGNMENT)
     except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.memory.OutOfMemoryError, MemoryError) as exc:
-        log.warning("pinned staging buffer of %d bytes failed (%s): using pageable memory", nbytes, exc)
+        log.warning("pinned host buffer of %d bytes failed (%s): using pageable memory", nbytes, exc)
         return None, aligned_empty(nbytes)
     view = np.frombuffer(memory, dtype=np.uint8, count=nbytes + ALIGNMENT)
     shift = (-view.ctypes.data) % ALIGNMENT
@@ -75,9 +77,9 @@ def pinned_buffer(cupy, nbytes: int):
 class CudaCopier:
     """GPU pool: ``cudaMemcpyAsync`` from pinned staging buffers on the provider's own stream.
 
-    After the copies out of buffer i the buffer's event is recorded on the stream; a read waits for that
-    event before refilling buffer i. ``synchronize()`` waits for the stream: slots become visible to compute
-    only after their copies are known complete.
+    After the copies out of buffer i the buffer's event (created on its first copy) is recorded on the
+    stream; a read waits for that event before refilling buffer i. ``synchronize()`` waits for the stream:
+    slots become visible to compute only after their copies are known complete.
     """
 
     h2d = True
@@ -87,20 +89,24 @@ class CudaCopier:
         self.device, self.pool_base = device, pool_base
         with cupy.cuda.Device(device):
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.events = [cupy.cuda.Event(disable_timing=True) for _ in range(n_buffers)]
-        owners, buffers = zip(*(pinned_buffer(cupy, buffer_bytes) for _ in range(n_buffers)))
-        self._owners, self.buffers = list(owners), list(buffers)
+        self.events: dict = {}  # buffer -> its event, created on the buffer's first copy
+        self._owners, self.buffers = chunked_blocks(lambda nbytes: pinned_buffer(cupy, nbytes), n_buffers,
+                                                    buffer_bytes)
+        self._replaced: dict = {}  # buffer -> the owner of its replacement memory
         self.pageable = any(owner is None for owner in self._owners)
 
     def replace_buffer(self, index: int) -> None:
         """A fresh staging buffer i: the old one may still be written by a read that was abandoned (its pinned
         memory stays referenced by that read until it ends)."""
-        self._owners[index], self.buffers[index] = pinned_buffer(self._cupy, self.buffers[index].nbytes)
-        self.pageable = self.pageable or self._owners[index] is None
+        self._replaced[index], self.buffers[index] = pinned_buffer(self._cupy, self.buffers[index].nbytes)
+        self.pageable = self.pageable or self._replaced[index] is None
 
     def wait_until_free(self, index: int) -> None:
+        event = self.events.get(index)
+        if event is None:
+            return  # never copied from
         with self._cupy.cuda.Device(self.device):  # called from a read thread
-            self.events[index].synchronize()  # returns at once for an event never recorded
+            event.synchronize()
 
     def copy(self, index: int, segments) -> None:
         runtime = self._cupy.cuda.runtime
@@ -109,7 +115,10 @@ class CudaCopier:
             for pool_offset, block_offset, nbytes in segments:
                 runtime.memcpyAsync(self.pool_base + pool_offset, source + block_offset, nbytes,
                                     runtime.memcpyHostToDevice, self.stream.ptr)
-            self.events[index].record(self.stream)
+            event = self.events.get(index)
+            if event is None:
+                event = self.events[index] = self._cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
 
     def synchronize(self) -> None:
         with self._cupy.cuda.Device(self.device):
@@ -118,5 +127,5 @@ class CudaCopier:
     def close(self) -> None:
         """Wait for the copies, then give the pinned memory back to the driver."""
         self.synchronize()
-        self.buffers, self._owners = [], []
+        self.buffers, self._owners, self._replaced, self.events = [], [], {}, {}
         self._cupy.get_default_pinned_memory_pool().free_all_blocks()

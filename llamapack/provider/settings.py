@@ -20,7 +20,8 @@ class StreamingSettings:
     through the page cache (for filesystems without O_DIRECT). ``stats_path``: a JSON file of the counters,
     rewritten every ``stats_flush_interval`` acquires. ``verify_pack_sha256``: check every block read
     against the manifest (pack mode only). ``read_timeout_s``: a read that has not finished by then fails
-    the decode (None: wait forever).
+    the decode (None: wait forever). ``ram_cache_mib``: a host-RAM tier of that many MiB (pinned for a GPU
+    pool) holding whole expert blocks between the SSD and the pool (None: no tier; see host_tier).
     """
 
     cache_vram_mib: float | None = None
@@ -33,6 +34,7 @@ class StreamingSettings:
     verify_pack_sha256: bool = False
     n_slots: int | None = None
     read_timeout_s: float | None = 60.0
+    ram_cache_mib: float | None = None
 
     def __post_init__(self):
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots"):
@@ -40,6 +42,8 @@ class StreamingSettings:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.cache_vram_mib is not None and self.cache_vram_mib <= 0:
             raise ValueError(f"cache_vram_mib must be > 0 (got {self.cache_vram_mib})")
+        if self.ram_cache_mib is not None and not self.ram_cache_mib > 0:
+            raise ValueError(f"ram_cache_mib must be > 0 or None (got {self.ram_cache_mib})")
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be > 0 or None (got {self.read_timeout_s})")
         if self.cache_vram_reserve_mib < 0:

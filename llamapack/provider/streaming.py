@@ -13,6 +13,11 @@ mapped to no expert), counts ``io_errors`` and raises; the callback returns non-
 and nothing computes on a partial slot. The next request starts from a consistent cache.
 A read still running after ``read_timeout_s`` fails the step the same way; it is left behind with its
 staging buffer, which is replaced, so a late write lands in memory nothing reads.
+
+With ``ram_cache_mib`` a host-RAM tier (host_tier.HostTier) sits between the SSD and the pool: its blocks
+replace the staging buffers as read targets. A pool miss whose expert is in a RAM block is copied from it
+(a RAM hit, no read); any other is read into the RAM block the tier assigns, then copied. A failed or
+abandoned read also frees its RAM block (mapped to no expert); a hung read's block gets fresh memory.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from ..errors import PackIOError
 from ..cache_policy import LfuLruPolicy, SlotAssignment
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
+from .host_tier import HostTier, TierPlan, tier_blocks
 from .reads import ReadPool, open_source
 from .reference import check_reader_matches_model
 from .settings import StreamingSettings, slot_budget
@@ -60,6 +66,7 @@ class StreamingProvider:
         self.counters = CounterAccumulator()
         self.flusher: StatsFlusher | None = None
         self._reader, self._reads, self._copier, self._ctx, self._closed = reader, None, None, None, False
+        self.tier: HostTier | None = None
         try:
             self.tensors = native.expert_tensors(model_ptr)
             check_reader_matches_model(reader.layout, self.tensors)
@@ -76,16 +83,20 @@ class StreamingProvider:
             self._first_layer, self._stride = loaded_layers[0], pack_layout.expert_stride
             self._segments = {entry.layer: tuple((role.role, role.offset, role.nbytes) for role in entry.roles)
                               for entry in pack_layout.layers}
+            n_blocks = tier_blocks(settings, self._stride, pack_layout.num_experts, len(loaded_layers),
+                                   n_expert_used, n_ubatch)
+            self.tier = HostTier(n_blocks) if n_blocks else None
+            n_buffers = n_blocks or settings.stage_slots  # the copier's buffers: RAM blocks, or staging buffers
             n_threads = min(settings.stage_slots * len(self._source.pieces), MAX_READ_THREADS)
             self._reads = ReadPool(self._source.open_handle, n_threads)
-            host = HostCopier(self.layout.pool_bytes, settings.stage_slots, self._stride) if device < 0 else None
+            host = HostCopier(self.layout.pool_bytes, n_buffers, self._stride) if device < 0 else None
             self._callback = ffi.callback(
                 "int32_t(void *, int32_t, const int32_t *, int32_t, int32_t, int32_t *)", self._provide)
             self.pool_base = native.attach_pool(
                 ctx_ptr, host.pool_base if host else None, self.layout.pool_bytes, self.n_slots,
                 self.layout.tensor_offsets(self.tensors), self.layout.tensor_strides(self.tensors), device=device)
             self._ctx = ctx_ptr
-            self._copier = host or CudaCopier(device, self.pool_base, settings.stage_slots, self._stride)
+            self._copier = host or CudaCopier(device, self.pool_base, n_buffers, self._stride)
             native.set_provider(ctx_ptr, self._callback)
         except BaseException:
             self.close()
@@ -123,40 +134,54 @@ class StreamingProvider:
     def _load(self, loads: tuple[SlotAssignment, ...]) -> None:
         """Read the misses, at most ``stage_slots`` at once, and copy each into its slot as soon as it is read.
 
-        On a failure no new read starts; the reads in flight are waited for (they write into staging
-        buffers); every miss not copied is abandoned; the first error is raised.
+        Each read takes a free staging buffer or, with a RAM tier, goes into the block the tier gave it;
+        RAM hits are copied while the reads run. On a failure no new read starts; the reads in flight are
+        waited for; every miss not copied is abandoned, and so is every RAM block not read and checked;
+        the first error is raised.
         """
-        waiting = deque(loads)
-        free_buffers = deque(range(self.settings.stage_slots))
-        in_flight: dict[int, tuple[SlotAssignment, list[futures.Future]]] = {}  # staging buffer -> its read
-        copied: set = set()
+        free_buffers = deque(range(self.settings.stage_slots))  # staging buffers (no tier)
+        in_flight: dict[int, tuple[SlotAssignment, list[futures.Future]]] = {}  # buffer or block -> its read
+        copied, filled, tier_plan = set(), set(), None
         error: BaseException | None = None
         try:
-            while in_flight or (waiting and error is None):
-                while waiting and free_buffers and error is None:
-                    buffer = free_buffers.popleft()
-                    in_flight[buffer] = (load := waiting.popleft(), self._start_read(load.key, buffer))
+            ram_hits, waiting, tier_plan = self._plan_sources(loads)
+            while in_flight or ((waiting or ram_hits) and error is None):
+                while waiting and len(in_flight) < self.settings.stage_slots and error is None:
+                    load, block = waiting.popleft()
+                    block = free_buffers.popleft() if block is None else block
+                    in_flight[block] = (load, self._start_read(load.key, block))
+                while ram_hits and error is None:
+                    load, block = ram_hits.popleft()
+                    self._copy(load, block)
+                    copied.add(load.key)
+                if not in_flight:
+                    continue
+                # only pieces not done: a done piece of a split read would end every wait at once
+                pending = [f for _, pieces in in_flight.values() for f in pieces if not f.done()]
                 with self.counters.timing("read_wait_s"):
-                    done, _ = futures.wait([f for _, pieces in in_flight.values() for f in pieces],
-                                           timeout=self.settings.read_timeout_s, return_when=futures.FIRST_COMPLETED)
+                    done, _ = futures.wait(pending, timeout=self.settings.read_timeout_s,
+                                           return_when=futures.FIRST_COMPLETED) if pending else ((True,), ())
                 if not done:
                     error = error or self._abandon_hung_reads(in_flight)
                     in_flight.clear()
                     continue
-                for buffer, (load, pieces) in list(in_flight.items()):
+                for block, (load, pieces) in list(in_flight.items()):
                     if not all(piece.done() for piece in pieces):
                         continue
-                    del in_flight[buffer]
+                    del in_flight[block]
                     try:
                         for piece in pieces:
                             piece.result()
                         if error is None:
-                            self._copy(load, buffer)
+                            self._check_read(load.key, block)
+                            filled.add(load.key)
+                            self._copy(load, block)
                             copied.add(load.key)
                     except Exception as exc:  # noqa: BLE001 - any failed load is abandoned below
                         self.counters.record_io_error()
                         error = error or exc
-                    free_buffers.append(buffer)
+                    if self.tier is None:
+                        free_buffers.append(block)
         finally:
             futures.wait([f for _, pieces in in_flight.values() for f in pieces])  # only after an interrupt
             with self.counters.timing("copy_wait_s"):
@@ -164,13 +189,28 @@ class StreamingProvider:
             for load in loads:
                 if load.key not in copied:
                     self.policy.abandon(load.key)
+            for key, _ in tier_plan.misses if tier_plan is not None else ():
+                if key not in filled:
+                    self.tier.abandon(key)
         if error is not None:
             raise error
 
+    def _plan_sources(self, loads) -> tuple[deque, deque, TierPlan | None]:
+        """(RAM hits, reads to start) as deques of (load, RAM block or None: a staging buffer), the tier's plan."""
+        if self.tier is None:
+            return deque(), deque((load, None) for load in loads), None
+        plan = self.tier.plan([load.key for load in loads])
+        self.counters.record_ram(len(plan.hits), len(plan.misses), plan.evictions)
+        load_of = {load.key: load for load in loads}
+        return (deque((load_of[key], block) for key, block in plan.hits),
+                deque((load_of[key], block) for key, block in plan.misses), plan)
+
     def _abandon_hung_reads(self, in_flight: dict) -> PackIOError:
-        """Leave the reads in flight behind (each with a fresh staging buffer in its place) after a timeout."""
+        """Leave the reads in flight behind (each with fresh memory in its buffer's place) after a timeout."""
         keys = [load.key for load, _ in in_flight.values()]
-        for buffer in in_flight:
+        for buffer, (_, pieces) in in_flight.items():
+            for piece in pieces:
+                piece.cancel()  # a piece still queued never starts
             self._copier.replace_buffer(buffer)
             self.counters.record_io_error()
         layer, expert = keys[0]
@@ -179,19 +219,24 @@ class StreamingProvider:
                            "abandoned")
 
     def _start_read(self, key: tuple[int, int], buffer: int) -> list[futures.Future]:
-        return [self._reads.submit(self._read_piece, key, buffer, start, end) for start, end in self._source.pieces]
+        target = self._copier.buffers[buffer]  # bound now: memory replaced after a timeout is never written
+        return [self._reads.submit(self._read_piece, key, buffer, target, start, end)
+                for start, end in self._source.pieces]
 
-    def _read_piece(self, handle, key: tuple[int, int], buffer: int, start: int, end: int) -> None:
+    def _read_piece(self, handle, key: tuple[int, int], buffer: int, target, start: int, end: int) -> None:
         self._copier.wait_until_free(buffer)  # its previous block's copy has finished
-        self._source.read(handle, *key, self._copier.buffers[buffer], start, end)
+        self._source.read(handle, *key, target, start, end)
 
-    def _copy(self, load: SlotAssignment, buffer: int) -> None:
-        """Check the read block, then copy each role payload into the slot."""
-        layer, expert = load.key
+    def _check_read(self, key: tuple[int, int], buffer: int) -> None:
+        """Count the SSD read and check the block read (sha256, pack mode)."""
+        layer, expert = key
         self.counters.record_read(self._source.read_nbytes(layer, expert))
         self._source.check(layer, expert, self._copier.buffers[buffer][:self._stride])
+
+    def _copy(self, load: SlotAssignment, buffer: int) -> None:
+        """Copy each role payload of the block in ``buffer`` into the slot."""
         segments = [(self.layout.slot_offset(role, load.slot), offset, nbytes)
-                    for role, offset, nbytes in self._segments[layer]]
+                    for role, offset, nbytes in self._segments[load.key[0]]]
         with self.counters.timing("copy_wait_s"):
             self._copier.copy(buffer, segments)
         if self._copier.h2d:
@@ -206,9 +251,11 @@ class StreamingProvider:
             log.warning("could not write provider stats to %s: %s", self.flusher.path, exc)
 
     def stats(self) -> dict:
-        """The counters (telemetry.ProviderCounters, with hit rate and bytes per token) and the pool's size."""
+        """The counters (telemetry.ProviderCounters, with hit rate and bytes per token), the pool's size and the
+        RAM tier's (``ram_slots``: its blocks, 0 without a tier)."""
         return dict(self.counters.snapshot().as_dict(), n_slots=self.n_slots, slot_bytes=self.layout.slot_bytes,
-                    pool_bytes=self.layout.pool_bytes, device=self.device)
+                    pool_bytes=self.layout.pool_bytes, device=self.device,
+                    ram_slots=self.tier.n_blocks if self.tier else 0)
 
     def close(self) -> None:
         """Detach from the context, stop the read threads, close files, free staging memory; idempotent."""

@@ -1,0 +1,91 @@
+"""Host-RAM tier: whole expert blocks kept in host memory (pinned for a GPU pool) between the SSD and the pool.
+
+Pure bookkeeping, no I/O. Its own ``LfuLruPolicy`` over (layer, expert) keys sees the slot-pool misses of
+each step: a key already in a RAM block is a *RAM hit* (the provider copies from that block, no SSD read);
+any other key is a *RAM miss*, given a block to read into (its previous key, if any, is evicted from RAM).
+The step's keys are pinned, so a block the step copies from is never refilled in the same step; the
+copier's per-block events keep a refill from overtaking an earlier copy out of the block. A read that fails
+(or is not known to have completed and passed its check) is ``abandon``-ed: its block is freed, mapped to
+no key. An expert evicted from the pool stays in RAM until the tier itself evicts it.
+
+``tier_blocks`` sizes the tier; ``chunked_blocks`` carves the blocks out of a few large allocations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..cache_policy import Key, LfuLruPolicy
+from ..errors import CapacityError
+from .settings import MIB, StreamingSettings
+
+CHUNK_BYTES = 1 << 30  # one allocation holds at most this many bytes of blocks (at least one block)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """For one step's slot-pool misses: (key, block) pairs already in RAM and to be read, and RAM evictions."""
+
+    hits: tuple[tuple[Key, int], ...]
+    misses: tuple[tuple[Key, int], ...]
+    evictions: int
+
+
+class HostTier:
+    """``n_blocks`` RAM blocks of whole experts, managed by an LfuLruPolicy (a block id is a policy slot)."""
+
+    def __init__(self, n_blocks: int):
+        self.n_blocks = n_blocks
+        self.policy = LfuLruPolicy(n_blocks)
+
+    def plan(self, keys: Sequence[Key]) -> TierPlan:
+        """Where each of ``keys`` (distinct slot-pool misses of one step) comes from; pins them for the step."""
+        plan = self.policy.acquire(keys)
+        hits = tuple((a.key, a.slot) for a in plan.assignments if a.hit)
+        misses = tuple((a.key, a.slot) for a in plan.assignments if not a.hit)
+        return TierPlan(hits, misses, len(plan.evictions))
+
+    def abandon(self, key: Key) -> bool:
+        """The key's block does not hold its bytes (read failed, unchecked or left behind): forget it."""
+        return self.policy.abandon(key)
+
+    def block_of(self, key: Key) -> int | None:
+        return self.policy.slot_of(key)
+
+    def resident(self) -> dict[Key, int]:
+        return self.policy.resident()
+
+
+def tier_blocks(settings: StreamingSettings, block_bytes: int, n_expert: int, n_moe_layers: int,
+                n_expert_used: int, n_ubatch: int) -> int:
+    """``floor(ram_cache_mib MiB / block_bytes)`` blocks, at most every expert of the model (0: no tier).
+
+    Raises CapacityError when the tier cannot hold the distinct experts one ubatch of one layer may use.
+    """
+    if settings.ram_cache_mib is None:
+        return 0
+    blocks = min(int(settings.ram_cache_mib * MIB) // block_bytes, n_expert * n_moe_layers)
+    needed = min(n_expert, n_expert_used * n_ubatch)
+    if blocks < needed:
+        raise CapacityError(
+            f"the RAM tier holds {blocks} experts (ram_cache_mib={settings.ram_cache_mib:g}; "
+            f"{block_bytes / MIB:.2f} MiB per expert block) but one ubatch of {n_ubatch} tokens may use {needed} "
+            f"experts of one layer ({needed * block_bytes / MIB:.2f} MiB); raise ram_cache_mib or lower n_ubatch")
+    return blocks
+
+
+def chunked_blocks(allocate: Callable[[int], tuple[object, np.ndarray]], n_blocks: int, block_bytes: int,
+                   chunk_bytes: int = CHUNK_BYTES) -> tuple[list, list[np.ndarray]]:
+    """(owners, ``n_blocks`` views of ``block_bytes``) carved from as few ``allocate(nbytes)`` calls as
+    ``chunk_bytes`` allows; ``allocate`` returns (owner, page-aligned uint8 view), ``block_bytes`` is a
+    multiple of the page size, so every block is page-aligned."""
+    per_chunk = max(1, chunk_bytes // block_bytes)
+    owners, blocks = [], []
+    for first in range(0, n_blocks, per_chunk):
+        count = min(per_chunk, n_blocks - first)
+        owner, memory = allocate(count * block_bytes)
+        owners.append(owner)
+        blocks += [memory[i * block_bytes:(i + 1) * block_bytes] for i in range(count)]
+    return owners, blocks

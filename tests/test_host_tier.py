@@ -1,0 +1,227 @@
+"""The host-RAM tier of the streaming provider: its bookkeeping, its blocks and events (fake CuPy), and on CPU
+through llama.cpp with a host pool smaller than the experts and the tier in between: bit-exact logits,
+counters against a replayed trace, read faults and hung reads.
+
+The llama.cpp runs reuse tests/test_provider_streaming.py's workers and fixtures (its ``provider_worker``
+reports the tier's residency after a failed request).
+"""
+import re
+import sys
+
+import numpy as np
+import pytest
+from test_provider_streaming import (N_DECODE, N_PROMPT, PRESETS, expected_read_bytes, fake_cupy,  # noqa: F401
+                                     models, run_self, small_pool, source_spec, spec_for, vanilla)
+
+from llamapack.cache_policy import LfuLruPolicy
+from llamapack.errors import CapacityError
+from llamapack.provider.host_tier import HostTier, chunked_blocks, tier_blocks
+from llamapack.provider.settings import MIB, StreamingSettings
+from llamapack.provider.slots import aligned_empty
+
+
+# ---------------------------------------------------------------- pure parts
+def test_tier_plan_hits_misses_evictions_and_abandon():
+    tier = HostTier(3)
+    plan = tier.plan([(0, 1), (0, 2)])
+    assert plan.hits == () and plan.misses == (((0, 1), 0), ((0, 2), 1)) and plan.evictions == 0
+    plan = tier.plan([(0, 1), (0, 3)])
+    assert plan.hits == (((0, 1), 0),) and plan.misses == (((0, 3), 2),) and plan.evictions == 0
+    plan = tier.plan([(1, 0), (0, 3)])  # full: the victim is (0, 2), seen once and longest ago
+    assert plan.misses == (((1, 0), 1),) and plan.hits == (((0, 3), 2),) and plan.evictions == 1
+    assert tier.block_of((0, 2)) is None and tier.resident() == {(0, 1): 0, (1, 0): 1, (0, 3): 2}
+    assert tier.abandon((1, 0)) and not tier.abandon((1, 0))  # a failed read: the block is mapped to nothing
+    plan = tier.plan([(2, 5)])
+    assert plan.misses == (((2, 5), 1),) and plan.evictions == 0  # the freed block, no eviction
+    with pytest.raises(CapacityError):
+        tier.plan([(3, e) for e in range(4)])
+
+
+def test_tier_blocks_budget_and_setting():
+    stride = 3 * MIB
+    host = dict(block_bytes=stride, n_expert=16, n_moe_layers=4, n_expert_used=4, n_ubatch=7)
+    assert tier_blocks(StreamingSettings(), **host) == 0
+    assert tier_blocks(StreamingSettings(ram_cache_mib=100), **host) == 33
+    assert tier_blocks(StreamingSettings(ram_cache_mib=1e6), **host) == 64  # never more than every expert
+    with pytest.raises(CapacityError, match=r"RAM tier holds 10 experts \(ram_cache_mib=30; 3.00 MiB per expert "
+                                            r"block\) but one ubatch of 7 tokens may use 16 experts .*48.00 MiB"):
+        tier_blocks(StreamingSettings(ram_cache_mib=30), **host)
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="ram_cache_mib must be > 0"):
+            StreamingSettings(ram_cache_mib=bad)
+
+
+def test_chunked_blocks_are_few_aligned_allocations():
+    calls = []
+
+    def allocate(nbytes):
+        calls.append(nbytes)
+        return None, aligned_empty(nbytes)
+
+    _, blocks = chunked_blocks(allocate, 10, 8192, chunk_bytes=4 * 8192)
+    assert calls == [4 * 8192, 4 * 8192, 2 * 8192] and len(blocks) == 10
+    assert all(b.nbytes == 8192 and b.ctypes.data % 4096 == 0 for b in blocks)
+    starts = sorted(b.ctypes.data for b in blocks)
+    assert len(set(starts)) == 10 and all(b - a >= 8192 for a, b in zip(starts, starts[1:]))
+    _, blocks = chunked_blocks(allocate, 3, 3 << 30)  # a block larger than a chunk: one allocation each
+    assert calls[3:] == [3 << 30] * 3
+
+
+def test_cuda_copier_waits_for_a_blocks_copies_before_its_refill(monkeypatch):
+    """Fake CuPy (copies run only when the stream is synchronized or an event waited for): a refill of a RAM
+    block after waiting for its event cannot overwrite bytes a queued copy has not taken yet."""
+    from llamapack.provider.copies import CudaCopier
+
+    streams: list = []
+    cupy = fake_cupy(streams)
+    allocations = []
+    real_alloc = cupy.cuda.alloc_pinned_memory
+    cupy.cuda.alloc_pinned_memory = lambda nbytes: allocations.append(nbytes) or real_alloc(nbytes)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    device = np.zeros(1 << 16, dtype=np.uint8)
+    copier = CudaCopier(0, device.ctypes.data, n_buffers=64, buffer_bytes=8192)  # a 64-block tier
+    assert len(allocations) == 1 and len(copier.buffers) == 64 and not copier.pageable  # one pinned allocation
+    assert copier.events == {}
+    copier.wait_until_free(5)  # never copied from: no event, returns at once
+    copier.buffers[5][:] = 7
+    copier.copy(5, [(0, 0, 4096)])  # block 5 -> slot 0, queued
+    copier.buffers[6][:] = 8
+    copier.copy(6, [(8192, 0, 4096)])
+    assert not device.any() and set(copier.events) == {5, 6}
+    copier.wait_until_free(5)  # the read refilling block 5 waits for the copies out of it...
+    assert (device[:4096] == 7).all()
+    copier.buffers[5][:] = 9  # ...then overwrites it
+    copier.copy(5, [(4096, 0, 4096)])  # the new key, to another slot
+    copier.synchronize()
+    assert (device[:4096] == 7).all() and (device[4096:8192] == 9).all() and (device[8192:12288] == 8).all()
+    old = copier.buffers[6]
+    copier.replace_buffer(6)  # a hung read keeps writing into the old memory
+    old[:] = 1
+    assert copier.buffers[6] is not old and copier.buffers[6].ctypes.data % 4096 == 0 and len(allocations) == 2
+    assert (copier.buffers[7] == 0).all()  # its neighbours are untouched
+    copier.close()
+    assert copier.buffers == [] and copier.events == {}
+
+
+# ---------------------------------------------------------------- through llama.cpp (CPU)
+def block_bytes(models, preset: str) -> int:
+    from llamapack.pack import PackReader
+
+    with PackReader(models[preset][1]) as reader:
+        return reader.layout.expert_stride
+
+
+def n_keys(preset: str) -> int:
+    from llamapack.synth import PRESETS as SPECS
+
+    return SPECS[preset].n_expert * SPECS[preset].n_layer  # every layer of these presets is MoE
+
+
+def tier_mib(models, preset: str, blocks: int) -> float:
+    return blocks * block_bytes(models, preset) / MIB  # exact: the stride is a multiple of 4096
+
+
+def replay_with_tier(trace, n_slots: int, n_blocks: int) -> tuple[dict, list]:
+    """The counters the pool's and the tier's LfuLruPolicy give on ``trace``, and the keys read from the SSD."""
+    pool, tier = LfuLruPolicy(n_slots), HostTier(n_blocks)
+    counts = dict.fromkeys(("cache_hits", "cache_misses", "cache_evictions", "ram_hits", "ram_misses",
+                            "ram_evictions"), 0)
+    read = []
+    for layer, experts in trace:
+        plan = pool.acquire([(layer, e) for e in experts])
+        tier_plan = tier.plan([load.key for load in plan.loads])
+        for name, value in (("cache_hits", plan.hits), ("cache_misses", plan.misses),
+                            ("cache_evictions", len(plan.evictions)), ("ram_hits", len(tier_plan.hits)),
+                            ("ram_misses", len(tier_plan.misses)), ("ram_evictions", tier_plan.evictions)):
+            counts[name] += value
+        read += [key for key, _ in tier_plan.misses]
+    return counts, read
+
+
+@pytest.mark.parametrize("source", ["pack", "gguf"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_logits_equal_vanilla_with_a_ram_tier(preset, source, models, vanilla, tmp_path):
+    from hookutil import logits
+
+    n_slots = small_pool(preset, 7)
+    blocks = (n_slots + n_keys(preset)) // 2  # more than the pool, fewer than the experts
+    spec = spec_for(models[preset][0], 7, tmp_path / "r.npy", provider="streaming", n_slots=n_slots,
+                    streaming=dict(stage_slots=3, read_splits=2, ram_cache_mib=tier_mib(models, preset, blocks)),
+                    **source_spec(models, preset, source))
+    got, stats = logits(spec, tmp_path)
+    want = vanilla(preset, 7)
+    assert np.array_equal(got, want), f"max |diff| = {np.abs(got - want).max()}"
+    print(f"\n{preset} {source}: pool {n_slots}, tier {blocks}: misses {stats['cache_misses']}, ram hits "
+          f"{stats['ram_hits']}, ram misses {stats['ram_misses']}, ram evictions {stats['ram_evictions']}")
+    assert stats["ram_slots"] == blocks and stats["n_slots"] == n_slots and stats["io_errors"] == 0
+    assert stats["ram_hits"] + stats["ram_misses"] == stats["cache_misses"]
+    assert stats["ram_hits"] > 0 and stats["ram_evictions"] > 0  # both levels really stream
+    assert stats["ram_evictions"] == stats["ram_misses"] - blocks
+    assert stats["h2d_bytes"] == 0 and stats["tokens"] == N_PROMPT + N_DECODE
+
+
+@pytest.mark.parametrize("source, tier", [("pack", "all"), ("gguf", "all"), ("pack", 24)])
+def test_counters_match_a_replayed_trace_with_a_ram_tier(source, tier, models, tmp_path):
+    """The prompt twice (the second time after llm.reset): with every expert fitting in RAM, the second pass
+    misses the pool as much as the first, and reads nothing from the SSD."""
+    preset = "qwen3moe-tiny"
+    blocks = n_keys(preset) if tier == "all" else tier
+    ram_cache_mib = 1e6 if tier == "all" else tier_mib(models, preset, blocks)
+    spec = spec_for(models[preset][0], 7, tmp_path / "c.npy", provider="streaming", n_slots=16, n_decode=0,
+                    eval_first=True, streaming=dict(stage_slots=4, read_splits=3, ram_cache_mib=ram_cache_mib),
+                    **source_spec(models, preset, source))
+    result = run_self(spec, tmp_path)
+    assert result["decode_error"] is None
+    first, stats, trace = result["stats_after_failure"], result["stats"], result["trace"]
+    counts, read = replay_with_tier(trace, 16, blocks)
+    assert stats["ram_slots"] == blocks
+    assert {name: stats[name] for name in counts} == counts
+    assert stats["ram_hits"] + stats["ram_misses"] == stats["cache_misses"]
+    assert stats["pack_read_bytes"] == expected_read_bytes(read, models, preset, source)
+    print(f"\n{source} tier {blocks}: pass 1 misses {first['cache_misses']} read {first['pack_read_bytes']} B; "
+          f"both passes misses {stats['cache_misses']} read {stats['pack_read_bytes']} B, ram hits "
+          f"{stats['ram_hits']}")
+    if tier == "all":
+        cut = result["trace_after_failure"]
+        seen = {(layer, e) for layer, experts in trace[:cut] for e in experts}
+        assert {(layer, e) for layer, experts in trace[cut:] for e in experts} <= seen  # same routing
+        assert stats["cache_misses"] > first["cache_misses"]  # the pool still misses...
+        assert stats["pack_read_bytes"] == first["pack_read_bytes"]  # ...but nothing more comes from the SSD
+        assert stats["ram_misses"] == first["ram_misses"] == len(seen) and stats["ram_evictions"] == 0
+        assert stats["ram_hits"] - first["ram_hits"] == stats["cache_misses"] - first["cache_misses"]
+
+
+@pytest.mark.parametrize("kind, source", [("eio", "gguf"), ("short", "pack"), ("slow", "pack")])
+def test_read_fault_with_a_ram_tier_fails_the_decode_then_recovers(kind, source, models, vanilla, tmp_path):
+    gguf, pack = models["qwen3moe-tiny"]
+    fault = dict(kind=kind, at=40, delay=2.0) if kind == "slow" else dict(kind=kind, at=40)
+    streaming = dict(stage_slots=4, read_splits=2, ram_cache_mib=tier_mib(models, "qwen3moe-tiny", 40),
+                     **(dict(read_timeout_s=0.3) if kind == "slow" else {}))
+    spec = spec_for(gguf, 7, tmp_path / "f.npy", n_slots=16, provider="streaming", streaming=streaming,
+                    fault=fault, eval_first=True, **source_spec(models, "qwen3moe-tiny", source))
+    result = run_self(spec, tmp_path)
+    assert result["decode_error"] == "llama_decode returned -3"
+    error = result["provider_error"]
+    want = {"eio": "read error", "short": "short read", "slow": "did not finish within 0.3 s"}[kind]
+    assert error.startswith("PackIOError") and want in error and str(gguf if source == "gguf" else pack) in error
+    layer, expert = map(int, re.search(r"layer (\d+) expert (\d+)", error).groups())
+    assert [layer, expert] not in result["resident"]  # neither in the pool...
+    assert [layer, expert] not in result["ram_resident"]  # ...nor in a RAM block
+    after = result["stats_after_failure"]
+    assert after["io_errors"] >= 1 and after["ram_hits"] + after["ram_misses"] == after["cache_misses"]
+    if kind != "slow":
+        assert after["io_errors"] == 1 and result["stats"]["io_errors"] == 1
+    assert np.array_equal(np.load(tmp_path / "f.npy"), vanilla("qwen3moe-tiny", 7))  # the next request
+
+
+def test_llama_wrapper_passes_ram_cache_mib(models, vanilla, tmp_path):
+    gguf, _ = models["qwen3moe-tiny"]
+    spec = dict(mode="llama", model=str(gguf), n_ubatch=7, n_prompt=N_PROMPT, n_decode=N_DECODE,
+                out=str(tmp_path / "l.npy"), too_few_slots=3,
+                llama=dict(cache_slots=16, ram_cache_mib=tier_mib(models, "qwen3moe-tiny", 48)))
+    result = run_self(spec, tmp_path)
+    assert "holds 3 experts" in result["capacity_error"]
+    assert np.array_equal(np.load(tmp_path / "l.npy"), vanilla("qwen3moe-tiny", 7))
+    stats = result["stats"]
+    assert stats["ram_slots"] == 48 and stats["ram_hits"] > 0
+    assert stats["ram_hits"] + stats["ram_misses"] == stats["cache_misses"]
