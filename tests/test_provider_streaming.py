@@ -334,10 +334,12 @@ def test_read_fault_fails_the_decode_then_recovers(kind, source, models, vanilla
     assert np.array_equal(np.load(tmp_path / "f.npy"), vanilla("qwen3moe-tiny", 7))
 
 
-def test_read_past_the_timeout_fails_the_decode_then_recovers(models, vanilla, tmp_path):
+@pytest.mark.parametrize("splits", [1, 2])  # 2: a split read's finished piece must not keep the wait from timing out
+def test_read_past_the_timeout_fails_the_decode_then_recovers(splits, models, vanilla, tmp_path):
     gguf, pack = models["qwen3moe-tiny"]
     spec = spec_for(gguf, 7, tmp_path / "t.npy", n_slots=16, provider="streaming",
-                    streaming=dict(stage_slots=4, read_timeout_s=0.3), fault=dict(kind="slow", at=40, delay=2.0),
+                    streaming=dict(stage_slots=4, read_timeout_s=0.3, read_splits=splits),
+                    fault=dict(kind="slow", at=40, delay=2.0),
                     eval_first=True, **source_spec(models, "qwen3moe-tiny", "pack"))
     result = run_self(spec, tmp_path)
     assert result["decode_error"] == "llama_decode returned -3"
