@@ -24,38 +24,50 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from hookutil import logits  # noqa: E402
+from llamapack.pack import build_pack  # noqa: E402
 from llamapack.synth import PRESETS, write_model  # noqa: E402
 
 ARCHS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tiny", "mixtral-tiny")
 
 
 def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_lib: Path, tmp: Path,
-            device: int = 0, n_prompt: int = 64, provider: str = "reference") -> dict:
+            device: int = 0, n_prompt: int = 64, provider: str = "reference", sources=("gguf",),
+            streaming: dict | None = None) -> list[dict]:
+    """One case per source (``gguf``: GGUF-direct, ``pack``: the model's expert pack), all against one
+    vanilla run."""
     spec = PRESETS[preset]
     n_slots = min(spec.n_expert, spec.n_expert_used * n_ubatch)
     base = dict(model=str(model), n_ubatch=n_ubatch, n_prompt=n_prompt, n_decode=32, n_gpu_layers=99, n_threads=4)
     t0 = time.time()
     want, _ = logits(dict(base, mode="vanilla", out=str(tmp / "v.npy")), tmp, lib_dir=vanilla_lib)
     noprov, _ = logits(dict(base, mode="vanilla", out=str(tmp / "p.npy")), tmp, lib_dir=patched_lib)
-    got, stats = logits(dict(base, mode="hook", device=device, n_slots=n_slots, provider=provider,
-                             out=str(tmp / "h.npy")), tmp,
-                        lib_dir=patched_lib)
+    cases = []
+    for source in sources:
+        served = dict(pack=True, serve_from=str(model.with_suffix(".expert-pack"))) if source == "pack" else {}
+        got, stats = logits(dict(base, mode="hook", device=device, n_slots=n_slots, provider=provider,
+                                 streaming=streaming or {}, out=str(tmp / "h.npy"), **served), tmp, lib_dir=patched_lib)
+        cases.append(case(preset, provider + ("+ram" if (streaming or {}).get("ram_cache_mib") else ""), source, n_ubatch, n_prompt, n_slots, spec.n_expert, want, noprov, got,
+                          stats, time.time() - t0))
+    return cases
+
+
+def case(preset, provider, source, n_ubatch, n_prompt, n_slots, n_expert, want, noprov, got, stats, seconds) -> dict:
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    return dict(preset=preset, provider=provider, n_ubatch=n_ubatch, n_prompt=n_prompt, n_slots=n_slots,
-                n_expert=spec.n_expert,
+    return dict(preset=preset, provider=provider, source=source, n_ubatch=n_ubatch, n_prompt=n_prompt,
+                n_slots=n_slots, n_expert=n_expert,
                 rows=int(want.shape[0]), bit_exact=bool(np.array_equal(got, want)),
                 patched_no_provider_bit_exact=bool(np.array_equal(noprov, want)),
                 max_abs_diff=float(diff.max()), rows_differing=int((diff.max(axis=1) > 0).sum()),
                 argmax_agree=float((got.argmax(1) == want.argmax(1)).mean()),
                 cache_misses=stats["cache_misses"], cache_evictions=stats["cache_evictions"],
-                seconds=round(time.time() - t0, 1))
+                seconds=round(seconds, 1))
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| arch | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['preset']} | {r['n_ubatch']} | {r['n_slots']}/{r['n_expert']} | {r['bit_exact']} | "
+        lines.append(f"| {r['preset']} | {r.get('provider', 'reference')} | {r.get('source', 'gguf')} | {r['n_ubatch']} | {r['n_slots']}/{r['n_expert']} | {r['bit_exact']} | "
                      f"{r['patched_no_provider_bit_exact']} | {r['max_abs_diff']:.3g} | {r['rows_differing']}/{r['rows']} | "
                      f"{r['cache_misses']} | {r['cache_evictions']} |")
     return "\n".join(lines) + "\n"
@@ -70,6 +82,9 @@ def main() -> int:
     parser.add_argument("--ubatch", nargs="*", type=int, default=[1, 7, 512])
     parser.add_argument("--n-prompt", type=int, default=64, help="prompt tokens (n_ctx is 256)")
     parser.add_argument("--provider", choices=["reference", "streaming"], default="reference")
+    parser.add_argument("--sources", nargs="*", choices=["gguf", "pack"], default=["gguf"],
+                        help="where the provider reads experts: GGUF-direct, the expert pack, or both")
+    parser.add_argument("--ram-cache-mib", type=float, help="streaming provider: a host-RAM tier of this size")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
     args = parser.parse_args()
     results = []
@@ -77,14 +92,18 @@ def main() -> int:
         tmp = Path(tmp_name)
         for preset in args.archs:
             model = write_model(tmp / f"{preset}.gguf", preset, seed=0)
+            if "pack" in args.sources:
+                build_pack(model, progress=False, safety_margin_mib=0)
             for n_ubatch in args.ubatch:
                 try:
-                    r = compare(preset, n_ubatch, model, args.vanilla_lib, args.patched_lib, tmp, args.device,
-                                args.n_prompt, args.provider)
+                    cases = compare(preset, n_ubatch, model, args.vanilla_lib, args.patched_lib, tmp, args.device,
+                                    args.n_prompt, args.provider, args.sources,
+                                    dict(ram_cache_mib=args.ram_cache_mib) if args.ram_cache_mib else None)
                 except AssertionError as exc:  # a worker crashed: record it, go on with the rest
-                    r = dict(preset=preset, n_ubatch=n_ubatch, error=str(exc)[-2000:])
-                print(json.dumps(r), flush=True)
-                results.append(r)
+                    cases = [dict(preset=preset, n_ubatch=n_ubatch, error=str(exc)[-2000:])]
+                for r in cases:
+                    print(json.dumps(r), flush=True)
+                results.extend(cases)
                 write(results, args.out)  # after each case: a run cut short still leaves its results
     return 0
 

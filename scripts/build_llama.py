@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def cmake_args(cuda: bool) -> list[str]:
     if cuda:
         archs = os.environ.get("LLAMAPACK_CUDA_ARCHS", "native")
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
-    return args
+    return args + shlex.split(os.environ.get("LLAMAPACK_CMAKE_ARGS", ""))  # e.g. -DGGML_CUDA_FA=OFF
 
 
 def cmake_build(root: Path, build_dir: Path, cuda: bool) -> Path:

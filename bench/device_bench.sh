@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU benchmark (issue #6) and the streaming provider's CUDA bit-exactness (issue #4) on the lent GPU
+# machine, through the device tool, from the repo root (prepare .devtree and .whl as bench/device_cuda.sh says;
+# .devtree/vocab also needs ggml-vocab-qwen2.gguf):
+#   run(command="bash bench/device_bench.sh prepare", carry=[".devtree", ".whl"])  # build, bit-exact, model, pack
+#   run(command="bash bench/device_bench.sh bench", carry=[".devtree", ".whl"])    # the side-by-side runs
+# Stages reuse what earlier stages left in $WORK while the machine stays warm.
+set -uo pipefail
+repo="$(pwd)"
+out="${OUT:-$repo/.devout}"
+mkdir -p "$out"
+work="${WORK:-/root/llamapack-bench}"
+build="${DEVBUILD:-/tmp/llamapack-devbuild}"
+mkdir -p "$work"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$repo/.devtree/src:$repo" LLAMAPACK_VOCAB_DIR="$repo/.devtree/vocab" PYTHONUNBUFFERED=1
+lp() { python3 -m llamapack "$@"; }
+model="$work/${MODEL_NAME:-q30b-skew1}.gguf"
+
+case "${1:-prepare}" in
+prepare)
+    { df -h "$work" /tmp; free -g; nproc; } > "$out/disk.txt" 2>&1
+    (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "${SKEW:-1.0}" > "$out/synth.log" 2>&1 \
+        && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
+    synth=$!
+    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
+    tail -3 "$out/machine.txt"
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_streaming.json" --provider streaming --sources gguf pack --ubatch 1 512 2>&1 | tail -3
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_ramtier.json" --provider streaming --sources pack gguf --ubatch 1 512 \
+        --archs qwen3moe-tiny gpt-oss-tiny --ram-cache-mib 24 2>&1 | tail -2
+    wait $synth
+    cat "$out/synth.log" | tail -3
+    ls -la "$work"; df -h "$work"
+    ;;
+bench)
+    lp bench "$model" -o "$out/bench" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
+        --decode-cap-s "${DECODE_CAP_S:-20}" ${RAM_TIER:+--ram-tier} ${CONFIGS:+--configs $CONFIGS} 2>&1
+    cp "$out/bench/bench.md" "$out/bench/bench.json" "$out/bench/bench.png" "$out/" 2>/dev/null
+    ;;
+esac

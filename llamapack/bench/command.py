@@ -1,0 +1,69 @@
+"""``llamapack bench``: the side-by-side benchmark (registered lazily by llamapack/cli.py)."""
+from __future__ import annotations
+
+import llama_cpp  # noqa: F401  isort: skip - before numpy (a CUDA build crashed otherwise)
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from .configs import default_matrix, select
+from .runner import BenchPlan, run_bench
+
+
+def _numbers(kind):
+    def parse(ctx, param, value):
+        try:
+            return tuple(kind(v) for v in value.split(",") if v.strip()) if value else ()
+        except ValueError:
+            raise click.BadParameter(f"a comma-separated list of numbers, not {value!r}") from None
+    return parse
+
+
+def has_gpu() -> bool:
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+@click.command("bench")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--pack", "pack", type=click.Path(dir_okay=False), help="Expert pack (default: beside MODEL).")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"),
+              show_default=True, help="Folder for bench.json, bench.md and bench.png.")
+@click.option("--memory-limit-mib", type=click.IntRange(min=64),
+              help="cgroup memory.max for the low-RAM runs (needs root and cgroups); none: no limited runs.")
+@click.option("--fractions", callback=_numbers(float), default="0.25,0.5", show_default=True,
+              help="VRAM expert cache sizes, as fractions of all routed experts.")
+@click.option("--configs", "names", help="Only these runs (comma-separated names; see --list).")
+@click.option("--no-gguf-direct", is_flag=True, help="Leave out the GGUF-direct runs.")
+@click.option("--ram-tier", is_flag=True, help="Add pack runs with a host-RAM tier holding every expert.")
+@click.option("--prompt-lengths", callback=_numbers(int), default="32,512", show_default=True)
+@click.option("-n", "--n-decode", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--decode-cap-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="A request stops decoding after this many seconds (slow runs still give a rate).")
+@click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--vanilla-lib", type=click.Path(file_okay=False), help="Folder of an unpatched libllama for vanilla runs.")
+@click.option("--patched-lib", type=click.Path(file_okay=False), help="Folder of the patched libllama for pack runs.")
+@click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
+def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_gguf_direct, ram_tier,
+                  prompt_lengths, n_decode, decode_cap_s, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
+    """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
+    matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
+                            gguf_direct=not no_gguf_direct, ram_tier=ram_tier)
+    try:
+        configs = select(matrix, names.split(",") if names else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--configs") from None
+    if list_only:
+        for config in configs:
+            click.echo(config.name)
+        return
+    plan = BenchPlan(model=model, out_dir=out_dir, configs=tuple(configs), pack=pack,
+                     prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
+                     n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
+                     vanilla_lib=vanilla_lib, patched_lib=patched_lib,
+                     command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
+    run_bench(plan, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"wrote {out_dir / 'bench.md'}, bench.json and bench.png")

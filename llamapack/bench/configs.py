@@ -1,0 +1,106 @@
+"""The benchmark's configurations: pure data, no I/O.
+
+One ``BenchConfig`` is one way of running the same model on the same prompts. ``default_matrix`` gives the
+issue's side-by-side set: vanilla llama.cpp with every expert on the GPU (upper bound), vanilla with the
+experts in RAM computed on the CPU (``--cpu-moe``, what users have), the same under a memory limit the
+experts do not fit in, and llamapack (pack and GGUF-direct) with VRAM expert caches of a few sizes under
+the same limit.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+VANILLA, PACK, GGUF_DIRECT = "vanilla", "pack", "gguf_direct"
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """``source``: vanilla (libllama holds every expert), pack or gguf_direct (llamapack's provider).
+    ``cpu_moe``: vanilla with routed experts in host memory, computed on the CPU. ``repack``: llama.cpp's
+    CPU weight repacking (``use_extra_bufts``; off means the experts stay mmapped). ``vram_fraction``: the
+    expert cache's share of all routed experts (pack modes). ``memory_limit_mib``: a cgroup ``memory.max``
+    the run is held to (None: no limit). ``reference``: the run other runs' logits are compared with."""
+
+    name: str
+    source: str = VANILLA
+    cpu_moe: bool = False
+    repack: bool = True
+    vram_fraction: float | None = None
+    ram_fraction: float | None = None
+    memory_limit_mib: int | None = None
+    n_threads: int = 4
+    n_gpu_layers: int = 99
+    reference: bool = False
+
+    def __post_init__(self):
+        if self.source not in (VANILLA, PACK, GGUF_DIRECT):
+            raise ValueError(f"{self.name}: unknown source {self.source!r}")
+        if (self.source == VANILLA) == (self.vram_fraction is not None):
+            raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
+        if self.cpu_moe and self.source != VANILLA:
+            raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
+        for field in ("vram_fraction", "ram_fraction"):
+            value = getattr(self, field)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{self.name}: {field} must be in (0, 1], got {value}")
+
+    @property
+    def uses_provider(self) -> bool:
+        return self.source != VANILLA
+
+    def cache_slots(self, n_experts: int) -> int | None:
+        """Experts the VRAM cache holds, for a model of ``n_experts`` routed experts (all layers)."""
+        return None if self.vram_fraction is None else max(1, round(self.vram_fraction * n_experts))
+
+    def ram_cache_mib(self, expert_bytes: int) -> float | None:
+        return None if self.ram_fraction is None else self.ram_fraction * expert_bytes / MIB
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:g}%"
+
+
+def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 0.5), *, gpu: bool = True,
+                   gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False) -> list[BenchConfig]:
+    """The side-by-side set, reference first.
+
+    ``memory_limit_mib`` None leaves out the limited runs (a machine without cgroup v2). ``full_cache`` adds
+    a pack run whose cache holds every expert: no reads, so its gap to the reference is the hook's own cost.
+    ``ram_tier`` adds pack runs with a host-RAM tier holding every expert (no limit: the RAM-rich case).
+    Without a GPU (``gpu=False``) the reference runs with repacking off, as a host slot pool does, so that
+    its logits can be compared exactly. Under a memory limit the ``--cpu-moe`` run cannot repack (repacking copies every expert into RAM,
+    which the limit does not hold): it runs with the experts mmapped, as ``--no-repack`` does.
+    """
+    configs = [BenchConfig("vanilla-vram" if gpu else "vanilla", reference=True, repack=gpu),
+               BenchConfig("cpu-moe", cpu_moe=True, n_threads=n_cores)]
+    if full_cache:
+        configs.append(BenchConfig("pack-100%", source=PACK, vram_fraction=1.0))
+    if ram_tier:
+        configs += [BenchConfig(f"pack-{percent(f)}+ram", source=PACK, vram_fraction=f, ram_fraction=1.0)
+                    for f in fractions]
+    limited = [BenchConfig("cpu-moe", cpu_moe=True, repack=False, n_threads=n_cores)]
+    limited += [BenchConfig(f"pack-{percent(f)}", source=PACK, vram_fraction=f) for f in fractions]
+    if gguf_direct:
+        limited += [BenchConfig(f"gguf-direct-{percent(f)}", source=GGUF_DIRECT, vram_fraction=f) for f in fractions]
+    if memory_limit_mib is not None:
+        configs += [replace(c, name=f"{c.name}@{memory_limit_mib // 1024}G" if memory_limit_mib % 1024 == 0
+                            else f"{c.name}@{memory_limit_mib}M", memory_limit_mib=memory_limit_mib)
+                    for c in limited]
+    else:
+        configs += limited[1:]
+    return configs
+
+
+def select(configs: list[BenchConfig], names: list[str] | None) -> list[BenchConfig]:
+    """The configs named (in the matrix's order); an unknown name is a ValueError listing the known ones."""
+    if not names:
+        return configs
+    known = {c.name for c in configs}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown config(s) {', '.join(unknown)}; known: {', '.join(c.name for c in configs)}")
+    return [c for c in configs if c.name in names]

@@ -1,0 +1,201 @@
+"""Derived numbers, ratios, markdown and a plot from the benchmark's raw results (pure except the writes).
+
+Per run: prefill tok/s and time to first token per prompt, decode tok/s over every request, the expert
+cache's hit rate and SSD bytes per decoded token, the I/O bound ``disk_bw / miss_bytes_per_token`` and
+the fraction of it reached, where decode time went (inside the provider: reads waited for, copies waited
+for, the rest of its work; outside it: GPU compute, the router's readback, llama.cpp), and whether its
+logits equal the reference run's bit for bit.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    name: str
+    ok: bool
+    error: str = ""
+    prefill_tok_s: dict | None = None        # prompt length -> tok/s
+    ttft_s: dict | None = None               # prompt length -> seconds
+    decode_tok_s: float | None = None
+    n_decoded: int = 0
+    hit_rate: float | None = None            # decode phase
+    read_bytes_per_token: float | None = None
+    io_bound_tok_s: float | None = None
+    io_bound_fraction: float | None = None
+    breakdown: dict | None = None            # decode seconds per token by where they went
+    bit_exact: str = "n/a"
+    load_s: float | None = None
+    peak_mib: float | None = None
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def compare_digests(run: dict, reference: dict) -> str:
+    """'yes (N steps)' when every step both runs computed has the same logits bits, else where they differ."""
+    steps, first_diff = 0, None
+    for mine, theirs in zip(run["requests"], reference["requests"]):
+        if mine["n_prompt"] != theirs["n_prompt"]:
+            return "n/a (other prompts)"
+        for step, (a, b) in enumerate(zip(mine["digests"], theirs["digests"])):
+            if a != b and first_diff is None:
+                first_diff = f"request of {mine['n_prompt']} tokens, step {step}"
+            steps += 1
+    return f"yes ({steps} steps)" if first_diff is None else f"NO (first at {first_diff})"
+
+
+def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> RunSummary:
+    name = run["config"]["name"]
+    if "error" in run:
+        return RunSummary(name, ok=False, error=run["error"])
+    requests = run["requests"]
+    decoded = sum(r["n_decoded"] for r in requests)
+    decode_s = sum(r["decode_s"] for r in requests)
+    counters = {}
+    for r in requests:
+        for key, value in r["decode_counters"].items():
+            counters[key] = counters.get(key, 0) + value
+    lookups = counters.get("cache_hits", 0) + counters.get("cache_misses", 0)
+    per_token = counters["pack_read_bytes"] / decoded if decoded and "pack_read_bytes" in counters else None
+    io_bound = disk_bytes_per_s / per_token if per_token else None
+    decode_tok_s = decoded / decode_s if decode_s > 0 else None
+    breakdown = None
+    if decoded and "provide_s" in counters:
+        provide, read, copy = (counters.get(k, 0.0) for k in ("provide_s", "read_wait_s", "copy_wait_s"))
+        breakdown = {k: v / decoded for k, v in dict(
+            read_wait_s=read, copy_wait_s=copy, provider_other_s=max(provide - read - copy, 0.0),
+            outside_provider_s=max(decode_s - provide, 0.0)).items()}
+    exact = "reference" if run["config"].get("reference") else (
+        compare_digests(run, reference) if reference is not None and "error" not in reference else "n/a")
+    return RunSummary(
+        name, ok=True,
+        prefill_tok_s={r["n_prompt"]: r["n_prompt"] / r["prefill_s"] for r in requests},
+        ttft_s={r["n_prompt"]: r["ttft_s"] for r in requests},
+        decode_tok_s=decode_tok_s, n_decoded=decoded,
+        hit_rate=counters["cache_hits"] / lookups if lookups else None,
+        read_bytes_per_token=per_token, io_bound_tok_s=io_bound,
+        io_bound_fraction=decode_tok_s / io_bound if io_bound and decode_tok_s else None,
+        breakdown=breakdown, bit_exact=exact, load_s=run.get("load_s"),
+        peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"))
+
+
+def summaries(results: dict) -> list[RunSummary]:
+    reference = next((r for r in results["runs"] if r["config"].get("reference")), None)
+    disk = results.get("disk", {}).get("nbytes", 0) / max(results.get("disk", {}).get("seconds", 0), 1e-9)
+    return [summarize(run, reference, disk) for run in results["runs"]]
+
+
+def ratios(rows: list[RunSummary]) -> list[dict]:
+    """Decode and prefill of each run against the --cpu-moe baseline of its memory setting (the same name
+    suffix: ``@8G`` runs against ``cpu-moe@8G``, others against ``cpu-moe``)."""
+    by_name = {row.name: row for row in rows if row.ok}
+    out = []
+    for row in rows:
+        if not row.ok or row.name.startswith("cpu-moe"):
+            continue
+        suffix = row.name[row.name.index("@"):] if "@" in row.name else ""
+        base = by_name.get(f"cpu-moe{suffix}")
+        if base is None:
+            continue
+        entry = dict(run=row.name, baseline=base.name)
+        if row.decode_tok_s and base.decode_tok_s:
+            entry["decode_ratio"] = row.decode_tok_s / base.decode_tok_s
+        for n_prompt, rate in (row.prefill_tok_s or {}).items():
+            if base.prefill_tok_s and base.prefill_tok_s.get(n_prompt):
+                entry[f"prefill_ratio_{n_prompt}"] = rate / base.prefill_tok_s[n_prompt]
+        out.append(entry)
+    return out
+
+
+def _f(value, spec: str = ".2f", scale: float = 1.0) -> str:
+    return "–" if value is None else format(value * scale, spec)
+
+
+def markdown(results: dict) -> str:
+    rows = summaries(results)
+    lengths = results["workload"]["prompt_lengths"]
+    disk = results.get("disk", {})
+    lines = [f"# llamapack bench: {Path(results['model']['path']).name}", "",
+             f"Command: `{results.get('command', '')}`", "",
+             f"Machine: {results['machine'].get('gpus') or 'no GPU'}; {results['machine'].get('cpus')} CPUs; "
+             f"{_f(results['machine'].get('mem_total_kib'), '.0f', 1 / 2**20)} GiB RAM; {results['machine'].get('date')}",
+             f"Model: {results['model']['size_bytes'] / 1e9:.2f} GB, experts {results['model']['expert_bytes'] / 1e9:.2f} GB "
+             f"({results['model']['n_moe_layers']} MoE layers x {results['model']['n_expert']} experts, "
+             f"{results['model']['expert_stride'] / MIB:.2f} MiB each)",
+             f"Disk: {_f(disk.get('gb_per_s'))} GB/s (O_DIRECT random reads of one expert block, "
+             f"{disk.get('threads')} at once, {_f(disk.get('seconds'), '.1f')} s)",
+             f"Workload: greedy, prompts of {', '.join(map(str, lengths))} tokens, up to "
+             f"{results['workload']['n_decode']} tokens each (decode stops after {results['workload']['decode_cap_s']:g} s), "
+             f"n_ubatch {results['workload']['n_ubatch']}", "",
+             "| run | " + " | ".join(f"prefill {n} tok/s" for n in lengths) + " | TTFT " + f"{lengths[-1]} s"
+             + " | decode tok/s | tokens | hit rate | SSD MiB/token | I/O bound tok/s | of bound | bit-exact vs reference | peak MiB |",
+             "|---|" + "---|" * (len(lengths) + 9)]
+    for row in rows:
+        if not row.ok:
+            lines.append(f"| {row.name} | failed: {' '.join(row.error.split())[-200:]} |")
+            continue
+        lines.append(
+            f"| {row.name} | " + " | ".join(_f(row.prefill_tok_s.get(n), ".1f") for n in lengths)
+            + f" | {_f(row.ttft_s.get(lengths[-1]))} | {_f(row.decode_tok_s)} | {row.n_decoded} | "
+            f"{_f(row.hit_rate, '.1%')} | {_f(row.read_bytes_per_token, '.1f', 1 / MIB)} | {_f(row.io_bound_tok_s)} | "
+            f"{_f(row.io_bound_fraction, '.0%')} | {row.bit_exact} | {_f(row.peak_mib, '.0f')} |")
+    lines += ["", "## Ratios against --cpu-moe (same memory setting)", "",
+              "| run | baseline | decode ratio | " + " | ".join(f"prefill {n} ratio" for n in lengths) + " |",
+              "|---|---|---|" + "---|" * len(lengths)]
+    for entry in ratios(rows):
+        lines.append(f"| {entry['run']} | {entry['baseline']} | {_f(entry.get('decode_ratio'))}x | "
+                     + " | ".join(f"{_f(entry.get(f'prefill_ratio_{n}'))}x" for n in lengths) + " |")
+    lines += ["", "## Where decode time went (ms per token)", "",
+              "| run | waiting on reads | waiting on copies | rest of the provider | outside the provider |",
+              "|---|---|---|---|---|"]
+    for row in rows:
+        if row.ok and row.breakdown:
+            b = row.breakdown
+            lines.append(f"| {row.name} | {b['read_wait_s'] * 1e3:.1f} | {b['copy_wait_s'] * 1e3:.1f} | "
+                         f"{b['provider_other_s'] * 1e3:.1f} | {b['outside_provider_s'] * 1e3:.1f} |")
+    lines += ["", "Outside the provider: GPU compute, the router ids' readback to the CPU and llama.cpp's own work "
+              "(compare with pack-100%, which reads nothing)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> bool:
+    """A bar chart of decode and prefill tok/s per run (log scale); False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [row for row in summaries(results) if row.ok]
+    longest = results["workload"]["prompt_lengths"][-1]
+    figure, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8), sharey=True)
+    names = [row.name for row in rows]
+    for axis, values, title in (
+            (axes[0], [row.decode_tok_s or 0 for row in rows], "decode tok/s"),
+            (axes[1], [(row.prefill_tok_s or {}).get(longest, 0) for row in rows], f"prefill tok/s ({longest}-token prompt)")):
+        axis.barh(names, values, color=["#4c72b0" if n.startswith(("pack", "gguf")) else "#999999" for n in names])
+        axis.set_xscale("log")
+        axis.set_title(title)
+        for y, value in enumerate(values):
+            axis.text(value, y, f" {value:.3g}", va="center", fontsize=8)
+    axes[0].invert_yaxis()
+    figure.suptitle(Path(results["model"]["path"]).name)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    """bench.json (raw results plus summaries), bench.md, bench.png."""
+    out_dir = Path(out_dir)
+    data = dict(results, summaries=[row.as_dict() for row in summaries(results)], ratios=ratios(summaries(results)))
+    (out_dir / "bench.json").write_text(json.dumps(data, indent=1))
+    (out_dir / "bench.md").write_text(markdown(results))
+    plot(results, out_dir / "bench.png")

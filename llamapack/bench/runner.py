@@ -1,0 +1,140 @@
+"""Runs the benchmark: the disk probe, then every configuration in its own process, in one go on one
+machine; results are rewritten after each configuration (a run cut short keeps what it measured)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import LlamapackError
+from ..pack import default_pack_path, open_gguf
+from .cgroup import MemoryCage, drop_page_cache
+from .configs import BenchConfig
+from .diskbw import random_read_bandwidth
+from .report import write_report
+from .workload import DEFAULT_PROMPT_LENGTHS
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    model: str
+    out_dir: Path
+    configs: tuple[BenchConfig, ...]
+    pack: str | None = None               # None: <stem>.expert-pack beside the model
+    prompt_lengths: tuple[int, ...] = DEFAULT_PROMPT_LENGTHS
+    n_decode: int = 200
+    decode_cap_s: float = 60.0            # a request stops decoding after this many seconds
+    n_ctx: int = 1024
+    n_ubatch: int = 512
+    stage_slots: int = 4
+    read_splits: int = 1
+    vanilla_lib: str | None = None        # libllama for vanilla runs (default: the one installed)
+    patched_lib: str | None = None        # libllama for pack runs (default: the one installed)
+    config_timeout_s: float = 1800.0
+    probe_seconds: float = 3.0
+    command: str = ""
+    extra_facts: dict = field(default_factory=dict)
+
+
+def machine_facts() -> dict:
+    facts = dict(python=platform.python_version(), cpus=os.cpu_count(), kernel=platform.release(),
+                 date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    try:
+        facts["gpus"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        facts["gpus"] = ""
+    try:
+        facts["mem_total_kib"] = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal")))
+    except (OSError, StopIteration):
+        pass
+    return facts
+
+
+def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
+    """Measure every configuration of ``plan``; returns the results (also written to ``plan.out_dir``)."""
+    model = open_gguf(plan.model)
+    layout = model.layout
+    expert_bytes = layout.num_blocks * layout.expert_stride
+    needs_pack = any(c.source == "pack" for c in plan.configs)
+    pack_path = plan.pack or default_pack_path(model)
+    if needs_pack and not os.path.exists(pack_path):
+        raise LlamapackError(f"no expert pack at {pack_path}: build it first with `llamapack pack {plan.model}`")
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    results = dict(command=plan.command, machine={**machine_facts(), **plan.extra_facts},
+                   model=dict(path=plan.model, size_bytes=sum(os.path.getsize(p) for p in model.paths),
+                              expert_bytes=expert_bytes, n_moe_layers=len(layout.layers),
+                              n_expert=layout.num_experts, expert_stride=layout.expert_stride),
+                   workload=dict(prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode,
+                                 decode_cap_s=plan.decode_cap_s, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch,
+                                 stage_slots=plan.stage_slots, read_splits=plan.read_splits),
+                   runs=[])
+    probe_path, first, n_blocks = ((pack_path, layout.data_start, layout.num_blocks) if needs_pack
+                                   else (model.paths[0], 0, os.path.getsize(model.paths[0]) // layout.expert_stride))
+    echo(f"disk probe: O_DIRECT random {layout.expert_stride / 2**20:.2f} MiB reads of {probe_path}")
+    disk = random_read_bandwidth(probe_path, layout.expert_stride, first, n_blocks,
+                                 threads=plan.stage_slots * plan.read_splits, seconds=plan.probe_seconds)
+    results["disk"] = disk.as_dict()
+    echo(f"disk: {disk.bytes_per_s / 1e9:.2f} GB/s")
+    with tempfile.TemporaryDirectory(prefix="llamapack-bench-") as tmp:
+        for index, config in enumerate(plan.configs):
+            echo(f"[{index + 1}/{len(plan.configs)}] {config.name} ...")
+            run = run_config(plan, config, expert_bytes, layout.num_blocks, pack_path, Path(tmp) / f"spec-{index}.json")
+            results["runs"].append(run)
+            echo(f"    {summary_line(run)}")
+            write_report(results, plan.out_dir)
+    return results
+
+
+def summary_line(run: dict) -> str:
+    if "error" in run:
+        return f"failed: {run['error'][-300:]}"
+    decoded = sum(r["n_decoded"] for r in run["requests"])
+    decode_s = sum(r["decode_s"] for r in run["requests"])
+    prefill = ", ".join(f"{r['n_prompt']} tok in {r['prefill_s']:.2f} s" for r in run["requests"])
+    return f"prefill {prefill}; decode {decoded} tok at {decoded / decode_s if decode_s else 0:.2f} tok/s"
+
+
+def run_config(plan: BenchPlan, config: BenchConfig, expert_bytes: int, n_experts: int, pack_path: str,
+               spec_path: Path) -> dict:
+    """One configuration in a worker process (under its memory limit, if any)."""
+    spec = dict(config=config.as_dict(), model=plan.model, pack=pack_path, expert_bytes=expert_bytes,
+                n_experts=n_experts,
+                prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode, decode_cap_s=plan.decode_cap_s,
+                n_ctx=plan.n_ctx, n_batch=max(plan.n_ubatch, 512), n_ubatch=plan.n_ubatch,
+                stage_slots=plan.stage_slots, read_splits=plan.read_splits)
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    lib = plan.vanilla_lib if config.source == "vanilla" else plan.patched_lib
+    if lib:
+        env["LLAMA_CPP_LIB_PATH"] = lib
+    command = [sys.executable, "-m", "llamapack.bench.worker", str(spec_path)]
+    extra: dict = {}
+    started = time.perf_counter()
+    if config.memory_limit_mib is None:
+        proc = _run(command, env, plan.config_timeout_s)
+    else:
+        extra["page_cache_dropped"] = drop_page_cache()
+        with MemoryCage(config.memory_limit_mib << 20) as cage:
+            proc = _run(command, env, plan.config_timeout_s, preexec_fn=cage.join)
+            extra.update(cgroup_peak_mib=(cage.peak_bytes() or 0) / 2**20, oom_kills=cage.oom_kills())
+    extra["wall_s"] = time.perf_counter() - started
+    if isinstance(proc, str):
+        return dict(config=config.as_dict(), error=proc, **extra)
+    if proc.returncode != 0:
+        return dict(config=config.as_dict(), error=f"worker exit {proc.returncode}: {proc.stderr[-3000:]}", **extra)
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), **extra}
+
+
+def _run(command: list[str], env: dict, timeout: float, preexec_fn=None):
+    try:
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
+                              preexec_fn=preexec_fn)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:g} s"

@@ -1,0 +1,109 @@
+"""One benchmark configuration in its own process: ``python -m llamapack.bench.worker SPEC.json``.
+
+A process per configuration because one process loads one libllama (vanilla or patched, chosen by
+LLAMA_CPP_LIB_PATH) and because a memory limit applies to a whole process. Prints one JSON line.
+
+Each prompt is one request from an empty context: evaluate the prompt (prefill; its end is the time to
+first token), then greedy decode one token per eval until ``n_decode`` tokens or ``decode_cap_s``. The
+logits of every step are hashed, so runs that should compute the same bits can be compared exactly.
+"""
+from __future__ import annotations
+
+import llama_cpp  # noqa: F401  isort: skip - before numpy (a CUDA build crashed otherwise)
+
+import hashlib
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .configs import BenchConfig
+from .workload import prompt_tokens
+
+
+def load(spec: dict, config: BenchConfig):
+    """The model as ``config`` runs it."""
+    from ..compat import cpu_moe, model_params_override
+
+    params = dict(n_ctx=spec["n_ctx"], n_batch=spec["n_batch"], n_ubatch=spec["n_ubatch"],
+                  n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads,
+                  n_threads_batch=config.n_threads, verbose=False, seed=0)
+    if config.source == "vanilla":
+        if config.cpu_moe:
+            with cpu_moe(use_extra_bufts=config.repack):
+                return llama_cpp.Llama(spec["model"], **params)
+        with model_params_override(use_extra_bufts=config.repack):
+            return llama_cpp.Llama(spec["model"], **params)
+    from ..llama import Llama
+
+    extra = {} if config.ram_fraction is None else dict(ram_cache_mib=config.ram_cache_mib(spec["expert_bytes"]))
+    source = dict(gguf_direct=True) if config.source == "gguf_direct" else dict(pack=spec.get("pack") or True)
+    return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
+                 stage_slots=spec.get("stage_slots", 4), read_splits=spec.get("read_splits", 1), **extra, **params)
+
+
+def last_logits(llm) -> np.ndarray:
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+
+
+def provider_counters(llm) -> dict:
+    return llm.pack_stats() if hasattr(llm, "pack_stats") else {}
+
+
+COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "read_wait_s",
+                  "copy_wait_s", "provide_s", "ram_hits", "ram_misses")
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in COUNTER_DELTAS if k in after}
+
+
+def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float) -> dict:
+    """One greedy request: prefill, then decode; timings, counter deltas per phase and logits digests."""
+    llm.reset()
+    digests = []
+    c0 = provider_counters(llm)
+    start = time.perf_counter()
+    llm.eval(tokens)
+    logits = last_logits(llm)
+    token = int(np.argmax(logits))
+    ttft = time.perf_counter() - start
+    digests.append(hashlib.sha256(logits.tobytes()).hexdigest()[:16])
+    c1 = provider_counters(llm)
+    generated = [token]
+    decode_start = time.perf_counter()
+    while len(generated) < n_decode and time.perf_counter() - decode_start < decode_cap_s:
+        llm.eval([token])
+        logits = last_logits(llm)
+        token = int(np.argmax(logits))
+        generated.append(token)
+        digests.append(hashlib.sha256(logits.tobytes()).hexdigest()[:16])
+    decode_s = time.perf_counter() - decode_start
+    c2 = provider_counters(llm)
+    return dict(n_prompt=len(tokens), prefill_s=ttft, ttft_s=ttft, n_decoded=len(generated) - 1, decode_s=decode_s,
+                decode_capped=len(generated) < n_decode, tokens=generated, digests=digests,
+                prefill_counters=delta(c1, c0), decode_counters=delta(c2, c1))
+
+
+def run(spec: dict) -> dict:
+    config = BenchConfig(**spec["config"])
+    started = time.perf_counter()
+    llm = load(spec, config)
+    load_s = time.perf_counter() - started
+    try:
+        requests = []
+        for n_prompt in spec["prompt_lengths"]:
+            requests.append(run_request(llm, prompt_tokens(llm, n_prompt), spec["n_decode"], spec["decode_cap_s"]))
+        pack = provider_counters(llm)
+    finally:
+        llm.close()
+    return dict(config=config.as_dict(), load_s=load_s, requests=requests,
+                provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots") if k in pack},
+                max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(Path(sys.argv[1]).read_text()))))
