@@ -1,10 +1,9 @@
 """``llamapack bench``: the side-by-side benchmark (registered lazily by llamapack/cli.py)."""
 from __future__ import annotations
 
-import llama_cpp  # noqa: F401  isort: skip - before numpy (a CUDA build crashed otherwise)
-
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,10 @@ def _numbers(kind):
 
 
 def has_gpu() -> bool:
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    """Whether the libllama llama_cpp loads can offload, asked in a child process: this process stays free of
+    libllama (the runs load their own; a CUDA libllama loaded beside numpy and matplotlib crashed it)."""
+    probe = "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
 @click.command("bench")
