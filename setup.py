@@ -18,7 +18,7 @@ setup(
     install_requires=["numpy", "gguf==0.19.0", "cffi>=1.15", "click>=8", "flask>=3", "tqdm",
                       "diskcache>=5.6.1", "jinja2>=2.11.3", "typing-extensions>=4.5.0"],
     extras_require={
-        "test": ["pytest", "hypothesis", "openai", "selenium"],
+        "test": ["pytest", "hypothesis", "openai", "selenium", "matplotlib"],
         "cuda12": ["cupy-cuda12x"],
         "cuda13": ["cupy-cuda13x"],
     },

@@ -1,0 +1,154 @@
+"""``llamapack bench`` on CPU: the matrix, the report's arithmetic on hand-built results, the cgroup and disk
+probe helpers, and a real end-to-end run on a tiny model whose pack runs must equal vanilla bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llamapack.bench.cgroup import MemoryCage
+from llamapack.bench.configs import BenchConfig, default_matrix, select
+from llamapack.bench.diskbw import random_read_bandwidth
+from llamapack.bench.report import compare_digests, markdown, plot, ratios, summaries
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_matrix_has_the_side_by_side_runs():
+    names = [c.name for c in default_matrix(16, 8192, (0.25, 0.5), ram_tier=True)]
+    assert names == ["vanilla-vram", "cpu-moe", "pack-100%", "pack-25%+ram", "pack-50%+ram", "cpu-moe@8G",
+                     "pack-25%@8G", "pack-50%@8G", "gguf-direct-25%@8G", "gguf-direct-50%@8G"]
+    limited = {c.name: c for c in default_matrix(16, 8192)}
+    assert limited["cpu-moe@8G"].repack is False and limited["cpu-moe"].repack is True  # 8 GiB cannot hold a repack
+    assert limited["cpu-moe"].n_threads == 16 and limited["pack-25%@8G"].memory_limit_mib == 8192
+    cpu = default_matrix(2, None, gpu=False, gguf_direct=False)
+    assert [c.name for c in cpu] == ["vanilla", "cpu-moe", "pack-100%", "pack-25%", "pack-50%"]
+    assert cpu[0].reference and cpu[0].repack is False  # a host pool runs unrepacked: the reference must too
+    assert BenchConfig("p", source="pack", vram_fraction=0.25).cache_slots(6144) == 1536
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(source="disk"), "unknown source"),
+    (dict(source="pack"), "vram_fraction"),
+    (dict(vram_fraction=0.5), "vram_fraction"),
+    (dict(source="pack", vram_fraction=1.5), "must be in"),
+    (dict(source="pack", vram_fraction=0.5, cpu_moe=True), "cpu_moe"),
+])
+def test_bad_configs_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig("x", **kwargs)
+
+
+def test_select_names_unknown_runs():
+    matrix = default_matrix(2, None, gpu=False)
+    assert [c.name for c in select(matrix, ["pack-25%", "vanilla"])] == ["vanilla", "pack-25%"]
+    with pytest.raises(ValueError, match="unknown config.*nope.*known: vanilla"):
+        select(matrix, ["nope"])
+
+
+def request(n_prompt, digests, n_decoded, decode_s, prefill_s=1.0, **decode_counters):
+    return dict(n_prompt=n_prompt, prefill_s=prefill_s, ttft_s=prefill_s, n_decoded=n_decoded, decode_s=decode_s,
+                digests=digests, tokens=[], prefill_counters={}, decode_counters=decode_counters)
+
+
+def results_by_hand():
+    ref = dict(config=dict(name="vanilla-vram", reference=True),
+               requests=[request(8, ["a", "b", "c"], 2, 0.1, prefill_s=0.5)])
+    cpu = dict(config=dict(name="cpu-moe@8G"), requests=[request(8, ["a", "x", "y"], 2, 4.0, prefill_s=8.0)])
+    pack = dict(config=dict(name="pack-25%@8G"), requests=[request(
+        8, ["a", "b"], 1, 0.5, prefill_s=2.0, cache_hits=30, cache_misses=10, pack_read_bytes=100 << 20,
+        provide_s=0.4, read_wait_s=0.3, copy_wait_s=0.05)])
+    broken = dict(config=dict(name="gguf-direct-25%@8G"), error="worker exit -9: killed")
+    return dict(command="llamapack bench m.gguf", machine=dict(cpus=2), disk=dict(nbytes=1000 << 20, seconds=2.0),
+                model=dict(path="m.gguf", size_bytes=10 ** 9, expert_bytes=9 * 10 ** 8, n_moe_layers=2, n_expert=8,
+                           expert_stride=4 << 20),
+                workload=dict(prompt_lengths=[8], n_decode=3, decode_cap_s=5.0, n_ubatch=512),
+                runs=[ref, cpu, pack, broken])
+
+
+def test_report_arithmetic_on_hand_built_results(tmp_path):
+    rows = {row.name: row for row in summaries(results_by_hand())}
+    pack = rows["pack-25%@8G"]
+    assert pack.decode_tok_s == 2.0 and pack.hit_rate == 0.75
+    assert pack.read_bytes_per_token == 100 << 20
+    assert pack.io_bound_tok_s == pytest.approx(5.0)  # 500 MiB/s over 100 MiB per token
+    assert pack.io_bound_fraction == pytest.approx(0.4)
+    assert pack.breakdown == pytest.approx(dict(read_wait_s=0.3, copy_wait_s=0.05, provider_other_s=0.05,
+                                                outside_provider_s=0.1))
+    assert pack.bit_exact == "yes (2 steps)"
+    assert rows["cpu-moe@8G"].bit_exact.startswith("NO (first at request of 8 tokens, step 1)")
+    assert rows["vanilla-vram"].bit_exact == "reference" and not rows["gguf-direct-25%@8G"].ok
+    (entry,) = [r for r in ratios(list(rows.values())) if r["run"] == "pack-25%@8G"]
+    assert entry["baseline"] == "cpu-moe@8G" and entry["decode_ratio"] == pytest.approx(4.0)
+    assert entry["prefill_ratio_8"] == pytest.approx(4.0)
+    text = markdown(results_by_hand())
+    assert "| pack-25%@8G | cpu-moe@8G | 4.00x | 4.00x |" in text and "failed: worker exit -9" in text
+
+
+def test_digests_of_other_prompts_are_not_compared():
+    a = dict(requests=[request(8, ["a"], 0, 0.0)])
+    b = dict(requests=[request(9, ["a"], 0, 0.0)])
+    assert compare_digests(a, b) == "n/a (other prompts)"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is in the test extra; install it with pip install -e .[test]")
+    assert plot(results_by_hand(), tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_cage_writes_the_limit_and_reads_the_peak(tmp_path):
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (root / "cgroup.subtree_control").write_text("cpu\n")
+    with MemoryCage(8 << 30, root=root) as cage:
+        assert (root / "cgroup.subtree_control").read_text() == "+memory"
+        assert (cage.path / "memory.max").read_text() == str(8 << 30)
+        cage.join()
+        assert (cage.path / "cgroup.procs").read_text() == str(os.getpid())
+        (cage.path / "memory.peak").write_text("123456\n")
+        (cage.path / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n")
+        assert cage.peak_bytes() == 123456 and cage.oom_kills() == 1
+
+
+def test_memory_cage_without_a_memory_controller_says_so(tmp_path):
+    from llamapack.bench.cgroup import CgroupError
+
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(CgroupError, match="without the memory controller"):
+        MemoryCage(1 << 30, root=tmp_path).__enter__()
+
+
+def test_disk_probe_reads_whole_blocks(tmp_path):
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(os.urandom(16 * 65536))
+    result = random_read_bandwidth(str(path), 65536, 0, 16, threads=2, seconds=0.2)
+    assert result.reads > 0 and result.nbytes == result.reads * 65536 and result.bytes_per_s > 0
+
+
+def test_bench_end_to_end_on_a_tiny_model(tmp_path):
+    """A real run: vanilla (reference), pack caches of 25% and 100%, GGUF-direct 50%; the pack runs read
+    experts and their logits equal vanilla's at every step."""
+    from llamapack.pack import build_pack
+    from llamapack.synth import write_model
+
+    model = write_model(tmp_path / "tiny.gguf", "mixtral-tiny", seed=0)
+    build_pack(model, progress=False, safety_margin_mib=0)
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", "12", "--prompt-lengths",
+         "8,40", "--decode-cap-s", "30", "-ub", "1", "--configs", "vanilla,pack-100%,pack-25%,gguf-direct-50%"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    rows = {row["name"]: row for row in data["summaries"]}
+    assert [r["config"]["name"] for r in data["runs"]] == ["vanilla", "pack-100%", "pack-25%", "gguf-direct-50%"]
+    for name in ("pack-100%", "pack-25%", "gguf-direct-50%"):
+        assert rows[name]["ok"] and rows[name]["bit_exact"] == "yes (24 steps)", rows[name]
+    assert rows["pack-25%"]["read_bytes_per_token"] > 0 and rows["pack-25%"]["hit_rate"] < 1
+    assert data["disk"]["reads"] > 0 and data["runs"][2]["provider"]["n_slots"] == 6  # 25% of 3 x 8 experts
+    assert "| pack-25% |" in (out / "bench.md").read_text()
