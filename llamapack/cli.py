@@ -86,6 +86,14 @@ def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool)
                f"in {report.seconds:.1f} s")
 
 
+def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | None, prefetch: bool) -> dict:
+    """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve)."""
+    options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, prefetch=prefetch or None).items() if v is not None}
+    if options and pack is None and not gguf_direct:
+        raise click.ClickException(f"--{next(iter(options)).replace('_', '-')} needs --pack or --gguf-direct")
+    return options
+
+
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--pack", "pack", is_flag=False, flag_value="", default=None, metavar="[PACK]",
@@ -102,11 +110,15 @@ def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool)
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
 @click.option("--cache-vram-mib", type=click.FloatRange(min=0.0, min_open=True),
               help="Expert cache size in MiB (GPU memory with -ngl, else host memory).")
+@click.option("--ram-cache-mib", type=click.FloatRange(min=0.0, min_open=True),
+              help="Host-RAM tier between the SSD and the expert cache, in MiB.")
+@click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead.")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
-        cache_slots: int | None, cache_vram_mib: float | None, chat: bool, stats_json: str | None) -> None:
+        cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | None, prefetch: bool,
+        chat: bool, stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
@@ -115,6 +127,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch))
     if ubatch_size is not None:
         params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
     if seed is not None:
@@ -160,8 +173,12 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: llama-cpp-python's).")
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
+@click.option("--ram-cache-mib", type=click.FloatRange(min=0.0, min_open=True),
+              help="Host-RAM tier between the SSD and the expert cache, in MiB.")
+@click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead.")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
-          queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None) -> None:
+          queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
+          ram_cache_mib: float | None, prefetch: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from werkzeug.serving import run_simple
 
@@ -171,6 +188,7 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
                     **params) as llm:
         app = create_app(llm, api_key=api_key, queue_size=queue_size)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 1
+EXPECTED_API_VERSION = 2
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
 
@@ -143,6 +143,12 @@ def attach_pool(ctx, base: int | None, size: int, n_slots: int, tensor_offsets: 
 
 def set_provider(ctx, callback) -> None:
     if lib().llama_expert_provider_set(ctx, callback, ffi.NULL) != 0:
+        raise NativeError(last_error(ctx))
+
+
+def set_prefetch(ctx, callback) -> None:
+    """Turn router lookahead on with ``callback`` (None: off); graphs built from now on carry it."""
+    if lib().llama_expert_prefetch_set(ctx, ffi.NULL if callback is None else callback, ffi.NULL) != 0:
         raise NativeError(last_error(ctx))
 
 

@@ -9,7 +9,8 @@ Conventions: cache hits and misses count distinct (layer, expert) keys per acqui
 token once (the provider adds a ubatch's tokens once, not once per MoE layer); the ``*_wait_s`` fields are
 seconds the provider spent waiting on pack reads and on host-to-device copies; ``provide_s`` is all of its
 time inside ``acquire``. The ``ram_*`` fields count the host-RAM tier's lookups (one per slot-pool miss);
-``pack_read_bytes`` counts only what was read from the SSD.
+``pack_read_bytes`` counts only what was read from the SSD (lookahead reads included: a used one when it is
+used, a wasted one when its buffer is reclaimed).
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class ProviderCounters:
     ram_hits: int = 0       # host-RAM tier: slot-pool misses served from a RAM block (no SSD read)
     ram_misses: int = 0     # slot-pool misses read from the SSD into a RAM block (ram_hits + ram_misses ==
     ram_evictions: int = 0  # cache_misses while the tier is on); RAM blocks taken from another expert
+    lookahead_keys: int = 0     # router lookahead: experts a layer asked for that had a prediction ...
+    lookahead_hits: int = 0     # ... and how many of them were predicted (accuracy = hits / keys)
+    prefetch_reads: int = 0     # lookahead reads started (predicted, in neither the pool nor the RAM tier)
+    prefetch_used: int = 0      # slot-pool misses served by a lookahead read (no read on the critical path)
+    prefetch_wasted: int = 0    # lookahead reads the layer did not ask for ...
+    prefetch_wasted_bytes: int = 0  # ... and their bytes (also in pack_read_bytes)
 
     @property
     def lookups(self) -> int:
@@ -52,6 +59,11 @@ class ProviderCounters:
     def hit_rate(self) -> float | None:
         """Hits / (hits + misses); None before the first lookup."""
         return self.cache_hits / self.lookups if self.lookups else None
+
+    @property
+    def lookahead_accuracy(self) -> float | None:
+        """Of the experts asked for where a prediction was made, the fraction that was predicted."""
+        return self.lookahead_hits / self.lookahead_keys if self.lookahead_keys else None
 
     @property
     def read_bytes_per_token(self) -> float | None:
@@ -67,7 +79,8 @@ class ProviderCounters:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate, "read_bytes_per_token": self.read_bytes_per_token,
-                "h2d_bytes_per_token": self.h2d_bytes_per_token}
+                "h2d_bytes_per_token": self.h2d_bytes_per_token,
+                "lookahead_accuracy": self.lookahead_accuracy}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), sort_keys=True)

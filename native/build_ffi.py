@@ -26,6 +26,9 @@ typedef int32_t (*llama_expert_provider_fn)(
         void * user_data, int32_t layer, const int32_t * expert_ids,
         int32_t n_expert_used, int32_t n_tokens, int32_t * slot_ids);
 
+typedef void (*llama_expert_prefetch_fn)(
+        void * user_data, int32_t layer, const int32_t * expert_ids, int32_t n_expert_used, int32_t n_tokens);
+
 struct llama_expert_pool_desc {
     void *           base;
     size_t           size;
@@ -42,6 +45,7 @@ int32_t llama_model_expert_tensor_get(const struct llama_model * model, int32_t 
 int32_t llama_expert_pool_attach(struct llama_context * ctx, const struct llama_expert_pool_desc * desc);
 void *  llama_expert_pool_base(const struct llama_context * ctx);
 int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
+int32_t llama_expert_prefetch_set(struct llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data);
 void    llama_expert_detach(struct llama_context * ctx);
 const char * llama_expert_last_error(const struct llama_context * ctx);
 """

@@ -39,8 +39,9 @@ struct llama_expert_remap {
     ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
 };
 
+// ffn_input [n_embd, n_tokens]: the router's input, used only for the next layer's lookahead prediction
 llama_expert_remap llama_expert_remap_build(
-        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts,
+        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * ffn_input,
         std::initializer_list<ggml_tensor *> expert_weights);
 
 // point a freshly built mul_mat_id node at the pool tensor and the slot ids (no-op for an empty remap)

@@ -36,6 +36,10 @@ struct llama_expert_layer_binding {
     llama_expert_hook * hook;
     int32_t layer;
     int32_t n_expert;
+    // lookahead: the next layer's router when that layer is served by the pool too, else null
+    int32_t       next_layer    = -1;
+    ggml_tensor * next_router   = nullptr;
+    ggml_tensor * next_router_b = nullptr;
 };
 
 struct llama_expert_hook {
@@ -52,6 +56,8 @@ struct llama_expert_hook {
     // provider
     llama_expert_provider_fn provider = nullptr;
     void *                   provider_data = nullptr;
+    llama_expert_prefetch_fn prefetch = nullptr;
+    void *                   prefetch_data = nullptr;
 
     // the user's abort callback, chained behind ours
     ggml_abort_callback user_abort = nullptr;
@@ -64,6 +70,7 @@ struct llama_expert_hook {
 
     std::vector<int32_t> scratch_ids;
     std::vector<int32_t> scratch_slots;
+    std::vector<int32_t> scratch_predicted;
 
     bool ready() const { return pool_buf && provider; }
 
@@ -235,10 +242,22 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         out[i] = s;
     }
+
+    const ggml_tensor * predicted = dst->src[1]; // [n_used, n_tokens] top-k of the next layer's router
+    if (predicted != nullptr && hook->prefetch != nullptr) {
+        hook->scratch_predicted.resize(n);
+        for (int32_t t = 0; t < n_tokens; ++t) {
+            for (int32_t k = 0; k < n_used; ++k) {
+                hook->scratch_predicted[(size_t) t*n_used + k] =
+                    *(const int32_t *) ((const char *) predicted->data + t*predicted->nb[1] + k*predicted->nb[0]);
+            }
+        }
+        hook->prefetch(hook->prefetch_data, b->next_layer, hook->scratch_predicted.data(), n_used, n_tokens);
+    }
 }
 
 llama_expert_remap llama_expert_remap_build(
-        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts,
+        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * ffn_input,
         std::initializer_list<ggml_tensor *> expert_weights) {
     llama_expert_remap remap;
     if (hook == nullptr || !hook->ready()) {
@@ -255,10 +274,22 @@ llama_expert_remap llama_expert_remap_build(
     if (binding == nullptr) {
         return remap; // this layer's experts are resident: vanilla path
     }
-    ggml_tensor * args[1] = { selected_experts };
+    ggml_tensor * args[2] = { selected_experts, nullptr };
+    int n_args = 1;
+    if (hook->prefetch != nullptr && binding->next_router != nullptr && ffn_input != nullptr &&
+            ffn_input->ne[0] == binding->next_router->ne[0] && ffn_input->ne[1] == selected_experts->ne[1]) {
+        // lookahead: the next layer's router applied to this layer's FFN input (a prediction only)
+        ggml_tensor * logits = ggml_mul_mat(ctx, binding->next_router, ffn_input); // [n_expert, n_tokens]
+        if (binding->next_router_b != nullptr) {
+            logits = ggml_add(ctx, logits, binding->next_router_b);
+        }
+        args[1] = ggml_argsort_top_k(ctx, logits, (int) selected_experts->ne[0]); // [n_used, n_tokens]
+        ggml_format_name(args[1], "llamapack_lookahead-%d", binding->next_layer);
+        n_args = 2;
+    }
     remap.hook = hook;
     remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
-                                args, 1, remap_op, 1, binding);
+                                args, n_args, remap_op, 1, binding);
     ggml_format_name(remap.ids, "llamapack_slot_ids-%d", binding->layer);
     return remap;
 }
@@ -421,6 +452,16 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         binding_of[info->weights[i]] = b;
     }
 
+    for (auto & [layer, b] : binding_by_layer) {
+        auto next = binding_by_layer.find(layer + 1);
+        if (next != binding_by_layer.end() && layer + 1 < (int32_t) model.layers.size() &&
+                model.layers[layer + 1].ffn_gate_inp != nullptr) {
+            b->next_layer    = layer + 1;
+            b->next_router   = model.layers[layer + 1].ffn_gate_inp;
+            b->next_router_b = model.layers[layer + 1].ffn_gate_inp_b;
+        }
+    }
+
     hook->pool_ctx    = std::move(pool_ctx);
     hook->pool_buf    = std::move(pool_buf);
     hook->n_slots     = desc->n_slots;
@@ -445,6 +486,15 @@ int32_t llama_expert_provider_set(llama_context * ctx, llama_expert_provider_fn 
     hook->provider_data = user_data;
     hook->generation++;
     hook->failed = false;
+    llama_expert_access::need_reserve(*ctx);
+    return 0;
+}
+
+int32_t llama_expert_prefetch_set(llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data) {
+    llama_expert_hook * hook = hook_of(ctx);
+    hook->prefetch      = fn;
+    hook->prefetch_data = user_data;
+    hook->generation++; // the graph gains or loses the lookahead ops
     llama_expert_access::need_reserve(*ctx);
     return 0;
 }

@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 1
+#define LLAMA_EXPERT_API_VERSION 2
 
 enum llama_expert_role {
     LLAMA_EXPERT_ROLE_GATE    = 0,
@@ -77,6 +77,13 @@ typedef int32_t (*llama_expert_provider_fn)(
         void * user_data, int32_t layer, const int32_t * expert_ids,
         int32_t n_expert_used, int32_t n_tokens, int32_t * slot_ids);
 
+// Router lookahead (optional): a guess at the experts of the next served layer, made by applying that
+// layer's router (logits, plus its bias when it has one) to this layer's FFN input, top n_expert_used.
+// Called right after this layer's provider call succeeded, with expert_ids [n_tokens][n_expert_used] of
+// `layer` (the next one). Advisory: compute always uses the router's real choice; nothing is returned.
+typedef void (*llama_expert_prefetch_fn)(
+        void * user_data, int32_t layer, const int32_t * expert_ids, int32_t n_expert_used, int32_t n_tokens);
+
 // A slot pool of n_slots slots in [base, base + size). Slot s of the tensor with index i (as in
 // llama_model_expert_tensor_get) starts at base + tensor_offsets[i] + s*tensor_strides[i]. Kernels index
 // experts in whole blocks (nb02 / type size), so each stride must be a multiple of its type size.
@@ -98,6 +105,8 @@ LLAMA_EXPERT_API int32_t llama_expert_pool_attach(struct llama_context * ctx, co
 // The pool's base address (host or device pointer), NULL when none is attached.
 LLAMA_EXPERT_API void *  llama_expert_pool_base(const struct llama_context * ctx);
 LLAMA_EXPERT_API int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
+// fn NULL turns lookahead off. Graphs built while it is on hold one more small matmul and top-k per layer.
+LLAMA_EXPERT_API int32_t llama_expert_prefetch_set(struct llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data);
 // Drops pool and provider. With lazy experts the context then refuses to decode.
 LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.

@@ -28,6 +28,9 @@ def test_matrix_has_the_side_by_side_runs():
     assert [c.name for c in cpu] == ["vanilla", "cpu-moe", "pack-100%", "pack-25%", "pack-50%"]
     assert cpu[0].reference and cpu[0].repack is False  # a host pool runs unrepacked: the reference must too
     assert BenchConfig("p", source="pack", vram_fraction=0.25).cache_slots(6144) == 1536
+    with_prefetch = [c.name for c in default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch=True)]
+    assert with_prefetch[-3:] == ["cpu-moe@8G", "pack-25%@8G", "pack-25%+prefetch@8G"]
+    assert default_matrix(16, 8192, (0.25,), prefetch=True)[-2].prefetch  # before gguf-direct-25%@8G
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -36,6 +39,7 @@ def test_matrix_has_the_side_by_side_runs():
     (dict(vram_fraction=0.5), "vram_fraction"),
     (dict(source="pack", vram_fraction=1.5), "must be in"),
     (dict(source="pack", vram_fraction=0.5, cpu_moe=True), "cpu_moe"),
+    (dict(prefetch=True), "prefetch is a llamapack setting"),
 ])
 def test_bad_configs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -61,12 +65,16 @@ def results_by_hand():
     pack = dict(config=dict(name="pack-25%@8G"), requests=[request(
         8, ["a", "b"], 1, 0.5, prefill_s=2.0, cache_hits=30, cache_misses=10, pack_read_bytes=100 << 20,
         provide_s=0.4, read_wait_s=0.3, copy_wait_s=0.05)])
+    ahead = dict(config=dict(name="pack-25%+prefetch@8G"), requests=[request(
+        8, ["a", "b"], 1, 0.25, cache_hits=30, cache_misses=10, pack_read_bytes=110 << 20, provide_s=0.2,
+        lookahead_keys=40, lookahead_hits=30, prefetch_reads=12, prefetch_used=8, prefetch_wasted=3,
+        prefetch_wasted_bytes=10 << 20)])
     broken = dict(config=dict(name="gguf-direct-25%@8G"), error="worker exit -9: killed")
     return dict(command="llamapack bench m.gguf", machine=dict(cpus=2), disk=dict(nbytes=1000 << 20, seconds=2.0),
                 model=dict(path="m.gguf", size_bytes=10 ** 9, expert_bytes=9 * 10 ** 8, n_moe_layers=2, n_expert=8,
                            expert_stride=4 << 20),
                 workload=dict(prompt_lengths=[8], n_decode=3, decode_cap_s=5.0, n_ubatch=512),
-                runs=[ref, cpu, pack, broken])
+                runs=[ref, cpu, pack, ahead, broken])
 
 
 def test_report_arithmetic_on_hand_built_results(tmp_path):
@@ -86,6 +94,11 @@ def test_report_arithmetic_on_hand_built_results(tmp_path):
     assert entry["prefill_ratio_8"] == pytest.approx(4.0)
     text = markdown(results_by_hand())
     assert "| pack-25%@8G | cpu-moe@8G | 4.00x | 4.00x |" in text and "failed: worker exit -9" in text
+    ahead = rows["pack-25%+prefetch@8G"]
+    assert pack.lookahead is None and ahead.lookahead["accuracy"] == 0.75
+    assert ahead.lookahead["misses_read_ahead"] == 0.8 and ahead.lookahead["wasted_bytes_per_token"] == 10 << 20
+    # decode 4 tok/s against 2 without prefetch; 75% predicted, 8 of 10 misses read ahead, 10 MiB wasted/token
+    assert "| pack-25%+prefetch@8G | 2.00x | 75.0% | 80.0% | 10.00 |" in text
 
 
 def test_digests_of_other_prompts_are_not_compared():
@@ -141,14 +154,18 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", "12", "--prompt-lengths",
-         "8,40", "--decode-cap-s", "30", "-ub", "1", "--configs", "vanilla,pack-100%,pack-25%,gguf-direct-50%"],
+         "8,40", "--decode-cap-s", "30", "-ub", "1", "--prefetch", "--configs",
+         "vanilla,pack-100%,pack-25%,pack-25%+prefetch,gguf-direct-50%"],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
     rows = {row["name"]: row for row in data["summaries"]}
-    assert [r["config"]["name"] for r in data["runs"]] == ["vanilla", "pack-100%", "pack-25%", "gguf-direct-50%"]
-    for name in ("pack-100%", "pack-25%", "gguf-direct-50%"):
+    assert [r["config"]["name"] for r in data["runs"]] == ["vanilla", "pack-100%", "pack-25%", "pack-25%+prefetch",
+                                                           "gguf-direct-50%"]
+    for name in ("pack-100%", "pack-25%", "pack-25%+prefetch", "gguf-direct-50%"):
         assert rows[name]["ok"] and rows[name]["bit_exact"] == "yes (24 steps)", rows[name]
     assert rows["pack-25%"]["read_bytes_per_token"] > 0 and rows["pack-25%"]["hit_rate"] < 1
     assert data["disk"]["reads"] > 0 and data["runs"][2]["provider"]["n_slots"] == 6  # 25% of 3 x 8 experts
+    assert rows["pack-25%+prefetch"]["lookahead"]["used"] > 0  # the lookahead ran and read misses ahead
     assert "| pack-25% |" in (out / "bench.md").read_text()
+    assert "| pack-25%+prefetch | " in (out / "bench.md").read_text().split("## Router lookahead")[1]

@@ -108,6 +108,19 @@ def test_run_explicit_pack_path_and_cache_budget(models, tmp_path):
     assert 8 <= small < 16 * 4 and large in (2 * small, 2 * small + 1)  # MiB budget -> whole slots
 
 
+def test_run_with_prefetch_and_ram_tier_writes_the_same_text(models, tmp_path):
+    model, _ = models[0]
+    stats_path = tmp_path / "stats.json"
+    code, plain, err = invoke("run", str(model), *GREEDY, "-ub", "1", "--pack", "--cache-slots", "4")
+    assert code == 0, err
+    code, out, err = invoke("run", str(model), *GREEDY, "-ub", "1", "--pack", "--cache-slots", "4", "--prefetch",
+                            "--ram-cache-mib", "64", "--stats-json", str(stats_path))
+    assert code == 0, err
+    assert out == plain  # greedy: the same tokens with the lookahead and the RAM tier on
+    pack = json.loads(stats_path.read_text())["pack"]
+    assert pack["prefetch_slots"] == 8 and pack["ram_slots"] > 0 and pack["lookahead_keys"] > 0
+
+
 def test_run_chat_reads_lines_until_empty(models, tmp_path):
     model, pack = models[0]
     stats_path = tmp_path / "stats.json"
@@ -142,6 +155,8 @@ ERROR_CASES = {
                               "Error: pack does not match the model"),
     "missing pack": (lambda m, tmp: [str(m[0][0]), "--pack", str(tmp / "none.expert-pack"), "-p", "x"],
                      "Error: manifest not found"),
+    "prefetch without a pack": (lambda m, tmp: [str(m[0][0]), "--prefetch", "-p", "x"],
+                                "Error: --prefetch needs --pack or --gguf-direct"),
     "cache too small": (lambda m, tmp: [str(m[0][0]), "--pack", "--cache-slots", "1", "-ub", "512", "-p", "x"],
                         "Error: the expert cache holds 1 experts"),
 }

@@ -536,3 +536,24 @@ if __name__ == "__main__":
     worker_spec = json.loads(Path(sys.argv[1]).read_text())
     worker = llama_worker if worker_spec["mode"] == "llama" else provider_worker
     print(json.dumps(worker(worker_spec)))
+
+
+def test_read_fault_with_prefetch_fails_closed(models, vanilla, tmp_path):
+    """The failing read may be a lookahead read (needed by the next layer, or a wrong guess) or a demand read:
+    either it fails the decode naming its layer and expert, or it was a guess nobody used; it is counted
+    either way, nothing computes on it, and the next request is bit-exact."""
+    gguf, pack = models["qwen3moe-tiny"]
+    spec = spec_for(gguf, 7, tmp_path / "f.npy", n_slots=16, provider="streaming",
+                    streaming=dict(stage_slots=4, read_splits=2, prefetch=True, prefetch_slots=4),
+                    fault=dict(kind="eio", at=40), eval_first=True, **source_spec(models, "qwen3moe-tiny", "pack"))
+    result = run_self(spec, tmp_path)
+    assert len(result["failed_offsets"]) == 1 and result["stats"]["io_errors"] == 1
+    if result["decode_error"] is not None:
+        assert result["decode_error"] == "llama_decode returned -3"
+        error = result["provider_error"]
+        assert error.startswith("PackIOError") and "read error" in error and str(pack) in error
+        layer, expert = map(int, re.search(r"layer (\d+) expert (\d+)", error).groups())
+        assert [layer, expert] not in result["resident"]
+    else:  # a wrong guess: dropped, its failure counted
+        assert result["stats"]["prefetch_wasted"] >= 1
+    assert np.array_equal(np.load(tmp_path / "f.npy"), vanilla("qwen3moe-tiny", 7))

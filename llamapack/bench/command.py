@@ -41,6 +41,7 @@ def has_gpu() -> bool:
 @click.option("--configs", "names", help="Only these runs (comma-separated names; see --list).")
 @click.option("--no-gguf-direct", is_flag=True, help="Leave out the GGUF-direct runs.")
 @click.option("--ram-tier", is_flag=True, help="Add pack runs with a host-RAM tier holding every expert.")
+@click.option("--prefetch", is_flag=True, help="Add limited pack runs with router-lookahead prefetch (+prefetch).")
 @click.option("--prompt-lengths", callback=_numbers(int), default="32,512", show_default=True)
 @click.option("-n", "--n-decode", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--decode-cap-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
@@ -49,11 +50,11 @@ def has_gpu() -> bool:
 @click.option("--vanilla-lib", type=click.Path(file_okay=False), help="Folder of an unpatched libllama for vanilla runs.")
 @click.option("--patched-lib", type=click.Path(file_okay=False), help="Folder of the patched libllama for pack runs.")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
-def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_gguf_direct, ram_tier,
+def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_gguf_direct, ram_tier, prefetch,
                   prompt_lengths, n_decode, decode_cap_s, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
-                            gguf_direct=not no_gguf_direct, ram_tier=ram_tier)
+                            gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch)
     try:
         configs = select(matrix, names.split(",") if names else None)
     except ValueError as exc:

@@ -20,7 +20,7 @@ class BenchConfig:
     ``cpu_moe``: vanilla with routed experts in host memory, computed on the CPU. ``repack``: llama.cpp's
     CPU weight repacking (``use_extra_bufts``; off means the experts stay mmapped). ``vram_fraction``: the
     expert cache's share of all routed experts (pack modes). ``memory_limit_mib``: a cgroup ``memory.max``
-    the run is held to (None: no limit). ``reference``: the run other runs' logits are compared with."""
+    the run is held to (None: no limit). ``prefetch``: router lookahead (pack modes). ``reference``: the run other runs' logits are compared with."""
 
     name: str
     source: str = VANILLA
@@ -28,6 +28,7 @@ class BenchConfig:
     repack: bool = True
     vram_fraction: float | None = None
     ram_fraction: float | None = None
+    prefetch: bool = False
     memory_limit_mib: int | None = None
     n_threads: int = 4
     n_gpu_layers: int = 99
@@ -38,6 +39,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: unknown source {self.source!r}")
         if (self.source == VANILLA) == (self.vram_fraction is not None):
             raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
+        if self.prefetch and self.source == VANILLA:
+            raise ValueError(f"{self.name}: prefetch is a llamapack setting")
         if self.cpu_moe and self.source != VANILLA:
             raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
         for field in ("vram_fraction", "ram_fraction"):
@@ -65,12 +68,14 @@ def percent(fraction: float) -> str:
 
 
 def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 0.5), *, gpu: bool = True,
-                   gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False) -> list[BenchConfig]:
+                   gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False,
+                   prefetch: bool = False) -> list[BenchConfig]:
     """The side-by-side set, reference first.
 
     ``memory_limit_mib`` None leaves out the limited runs (a machine without cgroup v2). ``full_cache`` adds
     a pack run whose cache holds every expert: no reads, so its gap to the reference is the hook's own cost.
     ``ram_tier`` adds pack runs with a host-RAM tier holding every expert (no limit: the RAM-rich case).
+    ``prefetch`` adds, beside each limited pack run, the same run with router lookahead (``+prefetch``).
     Without a GPU (``gpu=False``) the reference runs with repacking off, as a host slot pool does, so that
     its logits can be compared exactly. Under a memory limit the ``--cpu-moe`` run cannot repack (repacking copies every expert into RAM,
     which the limit does not hold): it runs with the experts mmapped, as ``--no-repack`` does.
@@ -83,7 +88,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
         configs += [BenchConfig(f"pack-{percent(f)}+ram", source=PACK, vram_fraction=f, ram_fraction=1.0)
                     for f in fractions]
     limited = [BenchConfig("cpu-moe", cpu_moe=True, repack=False, n_threads=n_cores)]
-    limited += [BenchConfig(f"pack-{percent(f)}", source=PACK, vram_fraction=f) for f in fractions]
+    for f in fractions:
+        limited.append(BenchConfig(f"pack-{percent(f)}", source=PACK, vram_fraction=f))
+        if prefetch:
+            limited.append(BenchConfig(f"pack-{percent(f)}+prefetch", source=PACK, vram_fraction=f, prefetch=True))
     if gguf_direct:
         limited += [BenchConfig(f"gguf-direct-{percent(f)}", source=GGUF_DIRECT, vram_fraction=f) for f in fractions]
     if memory_limit_mib is not None:

@@ -32,6 +32,7 @@ class RunSummary:
     bit_exact: str = "n/a"
     load_s: float | None = None
     peak_mib: float | None = None
+    lookahead: dict | None = None            # decode phase, runs with prefetch: accuracy, reads used and wasted
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -71,6 +72,13 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         breakdown = {k: v / decoded for k, v in dict(
             read_wait_s=read, copy_wait_s=copy, provider_other_s=max(provide - read - copy, 0.0),
             outside_provider_s=max(decode_s - provide, 0.0)).items()}
+    lookahead = None
+    if counters.get("lookahead_keys") and decoded:
+        lookahead = dict(accuracy=counters["lookahead_hits"] / counters["lookahead_keys"],
+                         misses_read_ahead=counters["prefetch_used"] / max(counters.get("cache_misses", 0), 1),
+                         wasted_bytes_per_token=counters["prefetch_wasted_bytes"] / decoded,
+                         reads=counters["prefetch_reads"], used=counters["prefetch_used"],
+                         wasted=counters["prefetch_wasted"])
     exact = "reference" if run["config"].get("reference") else (
         compare_digests(run, reference) if reference is not None and "error" not in reference else "n/a")
     return RunSummary(
@@ -82,7 +90,7 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         read_bytes_per_token=per_token, io_bound_tok_s=io_bound,
         io_bound_fraction=decode_tok_s / io_bound if io_bound and decode_tok_s else None,
         breakdown=breakdown, bit_exact=exact, load_s=run.get("load_s"),
-        peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"))
+        peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"), lookahead=lookahead)
 
 
 def summaries(results: dict) -> list[RunSummary]:
@@ -151,6 +159,18 @@ def markdown(results: dict) -> str:
     for entry in ratios(rows):
         lines.append(f"| {entry['run']} | {entry['baseline']} | {_f(entry.get('decode_ratio'))}x | "
                      + " | ".join(f"{_f(entry.get(f'prefill_ratio_{n}'))}x" for n in lengths) + " |")
+    by_name = {row.name: row for row in rows if row.ok}
+    with_lookahead = [row for row in rows if row.ok and row.lookahead]
+    if with_lookahead:
+        lines += ["", "## Router lookahead (decode)", "",
+                  "| run | decode vs without prefetch | prediction accuracy | misses read ahead | wasted SSD MiB/token |",
+                  "|---|---|---|---|---|"]
+        for row in with_lookahead:
+            base = by_name.get(row.name.replace("+prefetch", ""))
+            speedup = row.decode_tok_s / base.decode_tok_s if base and base.decode_tok_s and row.decode_tok_s else None
+            la = row.lookahead
+            lines.append(f"| {row.name} | {_f(speedup)}x | {_f(la['accuracy'], '.1%')} | "
+                         f"{_f(la['misses_read_ahead'], '.1%')} | {_f(la['wasted_bytes_per_token'], '.2f', 1 / MIB)} |")
     lines += ["", "## Where decode time went (ms per token)", "",
               "| run | waiting on reads | waiting on copies | rest of the provider | outside the provider |",
               "|---|---|---|---|---|"]

@@ -4,12 +4,13 @@ A source splits one expert read into pieces (byte ranges of the staging block) t
 fill through its own handle. ``PackSource``: a pack block is one contiguous, aligned file range, so it
 splits into ``read_splits`` aligned sub-reads. ``GgufSource``: one piece, the whole expert, read by a
 ``GgufDirectReader`` (its roles lie apart in the GGUF and go through the reader's scratch buffer, so they
-are not split). ``ReadPool`` runs pieces on a few threads, each with a handle no other read uses meanwhile.
+are not split). ``ReadPool`` runs pieces on a few threads, each with its own handle, demand reads first.
 """
 from __future__ import annotations
 
-import queue
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections import deque
+from concurrent.futures import Future
 from typing import Callable
 
 import numpy as np
@@ -101,35 +102,105 @@ def open_source(reader, *, direct_io: bool, read_fn: ReadFn | None, read_splits:
 
 
 class ReadPool:
-    """``n_threads`` threads; ``submit(fn, *args)`` runs ``fn(handle, *args)`` with a handle of its own."""
+    """``n_threads`` threads, each with a handle of its own; ``submit(fn, *args)`` runs ``fn(handle, *args)``.
 
-    def __init__(self, open_handle: Callable[[], object], n_threads: int):
-        self._handles: queue.SimpleQueue = queue.SimpleQueue()
-        self._opened: list = []
-        self._executor: ThreadPoolExecutor | None = None
+    Two queues: demand reads (``submit``) always start before queued prefetch reads (``submit_prefetch``), and
+    prefetch reads never hold more than ``max_prefetch`` threads at once, so ``n_threads - max_prefetch``
+    threads are always there for demand reads. ``promote(future)`` moves a queued prefetch read to the demand
+    queue (it became needed now). A running read is never preempted.
+    """
+
+    def __init__(self, open_handle: Callable[[], object], n_threads: int, max_prefetch: int = 0):
+        if not 0 <= max_prefetch < n_threads:
+            raise ValueError(f"max_prefetch must be in [0, {n_threads}) (got {max_prefetch})")
+        self._max_prefetch = max_prefetch
+        self._cond = threading.Condition()
+        self._demand: deque = deque()    # (future, fn, args)
+        self._prefetch: deque = deque()
+        self._running_prefetch = 0
+        self._closing = False
+        self._handles: list = []
+        self._threads: list[threading.Thread] = []
         try:
             for _ in range(n_threads):
-                self._opened.append(open_handle())
-                self._handles.put(self._opened[-1])
+                self._handles.append(open_handle())
         except BaseException:
             self.close()
             raise
-        self._executor = ThreadPoolExecutor(n_threads, thread_name_prefix="llamapack-read")
+        for i, handle in enumerate(self._handles):
+            thread = threading.Thread(target=self._work, args=(handle,), name=f"llamapack-read-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def submit(self, fn: Callable, *args) -> Future:
-        return self._executor.submit(self._with_handle, fn, *args)
+        return self._enqueue(self._demand, fn, args)
 
-    def _with_handle(self, fn: Callable, *args) -> None:
-        handle = self._handles.get()  # never waits: no more tasks run at once than there are handles
-        try:
-            fn(handle, *args)
-        finally:
-            self._handles.put(handle)
+    def submit_prefetch(self, fn: Callable, *args) -> Future:
+        if self._max_prefetch == 0:
+            raise RuntimeError("this read pool has no prefetch threads")
+        return self._enqueue(self._prefetch, fn, args)
+
+    def promote(self, future: Future) -> bool:
+        """Move ``future``'s read from the prefetch queue to the end of the demand queue; False when it is not
+        queued as a prefetch (already running, done, or a demand read)."""
+        with self._cond:
+            for job in self._prefetch:
+                if job[0] is future:
+                    self._prefetch.remove(job)
+                    self._demand.append(job)
+                    self._cond.notify()
+                    return True
+        return False
+
+    def _enqueue(self, queue_: deque, fn: Callable, args: tuple) -> Future:
+        future: Future = Future()
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the read pool is closed")
+            queue_.append((future, fn, args))
+            self._cond.notify()
+        return future
+
+    def _next_job(self) -> tuple | None:
+        """(job, is_prefetch) by priority, waiting for one; None when the pool closes."""
+        with self._cond:
+            while True:
+                if self._closing:
+                    return None
+                if self._demand:
+                    return self._demand.popleft(), False
+                if self._prefetch and self._running_prefetch < self._max_prefetch:
+                    self._running_prefetch += 1
+                    return self._prefetch.popleft(), True
+                self._cond.wait()
+
+    def _work(self, handle) -> None:
+        while (picked := self._next_job()) is not None:
+            (future, fn, args), is_prefetch = picked
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        fn(handle, *args)
+                    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                        future.set_exception(exc)
+                    else:
+                        future.set_result(None)
+            finally:
+                if is_prefetch:
+                    with self._cond:
+                        self._running_prefetch -= 1
+                        self._cond.notify_all()
 
     def close(self) -> None:
-        """Wait for the reads in flight, stop the threads, close the handles; idempotent."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-        while self._opened:
-            self._opened.pop().close()
+        """Cancel the queued reads, wait for the running ones, stop the threads, close the handles; idempotent."""
+        with self._cond:
+            self._closing = True
+            for queue_ in (self._demand, self._prefetch):
+                while queue_:
+                    queue_.popleft()[0].cancel()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        while self._handles:
+            self._handles.pop().close()

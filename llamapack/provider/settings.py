@@ -22,6 +22,9 @@ class StreamingSettings:
     against the manifest (pack mode only). ``read_timeout_s``: a read that has not finished by then fails
     the decode (None: wait forever). ``ram_cache_mib``: a host-RAM tier of that many MiB (pinned for a GPU
     pool) holding whole expert blocks between the SSD and the pool (None: no tier; see host_tier).
+    ``prefetch``: router lookahead; while a layer computes, read the experts the next layer's router would
+    pick from this layer's input, into ``prefetch_slots`` buffers of their own, at a lower priority than
+    demand reads (see prefetch). Compute always uses the router's real choice.
     """
 
     cache_vram_mib: float | None = None
@@ -35,9 +38,11 @@ class StreamingSettings:
     n_slots: int | None = None
     read_timeout_s: float | None = 60.0
     ram_cache_mib: float | None = None
+    prefetch: bool = False
+    prefetch_slots: int = 8
 
     def __post_init__(self):
-        for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots"):
+        for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.cache_vram_mib is not None and self.cache_vram_mib <= 0:

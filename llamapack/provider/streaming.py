@@ -18,6 +18,12 @@ With ``ram_cache_mib`` a host-RAM tier (host_tier.HostTier) sits between the SSD
 replace the staging buffers as read targets. A pool miss whose expert is in a RAM block is copied from it
 (a RAM hit, no read); any other is read into the RAM block the tier assigns, then copied. A failed or
 abandoned read also frees its RAM block (mapped to no expert); a hung read's block gets fresh memory.
+
+With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquire) with a guess at the next
+layer's experts; their reads start in buffers of their own (prefetch.PrefetchBook) at prefetch priority, and
+the next acquire waits only for what is still being read (the read is promoted to demand priority) and
+copies from those buffers. A failed lookahead read that the next layer needs fails that acquire like any
+demand read; one it does not need is dropped. Lookahead experts bypass the RAM tier.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from ..cache_policy import LfuLruPolicy, SlotAssignment
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
 from .host_tier import HostTier, TierPlan, tier_blocks
+from .prefetch import PrefetchBook, PrefetchEntry
 from .reads import ReadPool, open_source
 from .reference import check_reader_matches_model
 from .settings import StreamingSettings, slot_budget
@@ -87,8 +94,15 @@ class StreamingProvider:
                                    n_expert_used, n_ubatch)
             self.tier = HostTier(n_blocks) if n_blocks else None
             n_buffers = n_blocks or settings.stage_slots  # the copier's buffers: RAM blocks, or staging buffers
-            n_threads = min(settings.stage_slots * len(self._source.pieces), MAX_READ_THREADS)
-            self._reads = ReadPool(self._source.open_handle, n_threads)
+            n_lookahead = settings.prefetch_slots if settings.prefetch else 0  # ... then the lookahead buffers
+            self.book = PrefetchBook(range(n_buffers, n_buffers + n_lookahead)) if n_lookahead else None
+            self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead guessed for it
+            n_pieces = len(self._source.pieces)
+            n_threads = min(settings.stage_slots * n_pieces, MAX_READ_THREADS)
+            n_prefetch_threads = min(n_lookahead * n_pieces, MAX_READ_THREADS)
+            self._reads = ReadPool(self._source.open_handle, n_threads + n_prefetch_threads,
+                                   max_prefetch=n_prefetch_threads)
+            n_buffers += n_lookahead
             host = HostCopier(self.layout.pool_bytes, n_buffers, self._stride) if device < 0 else None
             self._callback = ffi.callback(
                 "int32_t(void *, int32_t, const int32_t *, int32_t, int32_t, int32_t *)", self._provide)
@@ -98,6 +112,10 @@ class StreamingProvider:
             self._ctx = ctx_ptr
             self._copier = host or CudaCopier(device, self.pool_base, n_buffers, self._stride)
             native.set_provider(ctx_ptr, self._callback)
+            if self.book is not None:
+                self._lookahead_callback = ffi.callback(
+                    "void(void *, int32_t, const int32_t *, int32_t, int32_t)", self._on_lookahead)
+                native.set_prefetch(ctx_ptr, self._lookahead_callback)
         except BaseException:
             self.close()
             raise
@@ -115,12 +133,51 @@ class StreamingProvider:
             self.error = exc
             return 1
 
+    # called from llama.cpp's compute thread right after a layer's _provide, with the next layer's guess
+    def _on_lookahead(self, _user, layer, ids_ptr, n_used, n_tokens) -> None:
+        try:
+            self.prefetch(layer, np.frombuffer(ffi.buffer(ids_ptr, 4 * n_used * n_tokens), dtype=np.int32))
+        except BaseException as exc:  # noqa: BLE001 - advisory: must not unwind into C nor fail the decode
+            log.warning("router lookahead for layer %d failed (the layer reads on demand): %r", layer, exc)
+
+    def prefetch(self, layer: int, expert_ids: np.ndarray) -> None:
+        """Start lookahead reads for the guessed experts of ``layer`` that are in neither the pool nor the RAM
+        tier nor read already, as long as lookahead buffers are free. Never blocks on I/O."""
+        experts = [e for e in dict.fromkeys(expert_ids.tolist()) if 0 <= e < self._reader.layout.num_experts]
+        self._predicted[layer] = set(experts)
+        for entry in self.book.reclaim():
+            self._count_wasted(entry)
+        for expert in experts:
+            key = (layer, expert)
+            if key in self.book or self.policy.slot_of(key) is not None or (
+                    self.tier is not None and self.tier.block_of(key) is not None):
+                continue
+            buffer = self.book.free_buffer()
+            if buffer is None:
+                break
+            self.book.add(key, buffer, self._start_read(key, buffer, prefetch=True))
+            self.counters.add(prefetch_reads=1)
+
+    def _count_wasted(self, entry: PrefetchEntry) -> None:
+        """A lookahead read nobody used: its bytes, or the I/O error it hit (counted; nothing computed on it)."""
+        nbytes = self._source.read_nbytes(*entry.key) if entry.succeeded() else 0
+        self.counters.add(prefetch_wasted=1, prefetch_wasted_bytes=nbytes, pack_read_bytes=nbytes)
+        failure = next((p.exception() for p in entry.pieces if not p.cancelled() and p.exception()), None)
+        if failure is not None:
+            self.counters.record_io_error()
+            log.warning("an unused lookahead read of layer %d expert %d failed: %s", *entry.key, failure)
+
     def acquire(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
         """Make every expert in ``expert_ids`` of ``layer`` resident; return their slot ids (copies complete)."""
         experts = list(dict.fromkeys(expert_ids.tolist()))
         plan = self.policy.acquire([(layer, expert) for expert in experts])
         tokens = len(expert_ids) // self.n_expert_used if layer == self._first_layer else 0
         self.counters.record_acquire(plan.hits, plan.misses, len(plan.evictions), tokens=tokens)
+        if self.book is not None:
+            predicted = self._predicted.pop(layer, None)
+            if predicted is not None:
+                self.counters.add(lookahead_keys=len(experts), lookahead_hits=len(predicted.intersection(experts)))
+            self.book.retire_layer(layer, {load.key for load in plan.loads})
         try:
             if plan.loads:
                 self._load(plan.loads)
@@ -141,12 +198,18 @@ class StreamingProvider:
         """
         free_buffers = deque(range(self.settings.stage_slots))  # staging buffers (no tier)
         in_flight: dict[int, tuple[SlotAssignment, list[futures.Future]]] = {}  # buffer or block -> its read
-        copied, filled, tier_plan = set(), set(), None
+        copied, filled, tier_plan, lookahead = set(), set(), None, {}
         error: BaseException | None = None
         try:
-            ram_hits, waiting, tier_plan = self._plan_sources(loads)
+            lookahead, loads_left = self._take_lookahead(loads)  # lookahead buffer -> its load
+            for buffer, (load, pieces) in lookahead.items():
+                in_flight[buffer] = (load, pieces)
+                for piece in pieces:
+                    self._reads.promote(piece)  # needed now: demand priority
+            ram_hits, waiting, tier_plan = self._plan_sources(loads_left)
             while in_flight or ((waiting or ram_hits) and error is None):
-                while waiting and len(in_flight) < self.settings.stage_slots and error is None:
+                while (waiting and len(in_flight.keys() - lookahead.keys()) < self.settings.stage_slots
+                       and error is None):
                     load, block = waiting.popleft()
                     block = free_buffers.popleft() if block is None else block
                     in_flight[block] = (load, self._start_read(load.key, block))
@@ -177,10 +240,12 @@ class StreamingProvider:
                             filled.add(load.key)
                             self._copy(load, block)
                             copied.add(load.key)
+                            if block in lookahead:
+                                self.counters.add(prefetch_used=1)
                     except Exception as exc:  # noqa: BLE001 - any failed load is abandoned below
                         self.counters.record_io_error()
                         error = error or exc
-                    if self.tier is None:
+                    if self.tier is None and block not in lookahead:
                         free_buffers.append(block)
         finally:
             futures.wait([f for _, pieces in in_flight.values() for f in pieces])  # only after an interrupt
@@ -192,8 +257,21 @@ class StreamingProvider:
             for key, _ in tier_plan.misses if tier_plan is not None else ():
                 if key not in filled:
                     self.tier.abandon(key)
+            for buffer in lookahead:
+                self.book.release(buffer)  # its read is done (or left behind with the old memory)
         if error is not None:
             raise error
+
+    def _take_lookahead(self, loads) -> tuple[dict[int, tuple[SlotAssignment, list]], list[SlotAssignment]]:
+        """({lookahead buffer: (load, its read's pieces)} for the loads a lookahead read is for, the other loads)."""
+        taken, rest = {}, []
+        for load in loads:
+            entry = self.book.take(load.key) if self.book is not None else None
+            if entry is None:
+                rest.append(load)
+            else:
+                taken[entry.buffer] = (load, list(entry.pieces))
+        return taken, rest
 
     def _plan_sources(self, loads) -> tuple[deque, deque, TierPlan | None]:
         """(RAM hits, reads to start) as deques of (load, RAM block or None: a staging buffer), the tier's plan."""
@@ -218,10 +296,10 @@ class StreamingProvider:
                            f"within {self.settings.read_timeout_s:g} s (read_timeout_s); {len(keys)} read(s) "
                            "abandoned")
 
-    def _start_read(self, key: tuple[int, int], buffer: int) -> list[futures.Future]:
+    def _start_read(self, key: tuple[int, int], buffer: int, prefetch: bool = False) -> list[futures.Future]:
         target = self._copier.buffers[buffer]  # bound now: memory replaced after a timeout is never written
-        return [self._reads.submit(self._read_piece, key, buffer, target, start, end)
-                for start, end in self._source.pieces]
+        submit = self._reads.submit_prefetch if prefetch else self._reads.submit
+        return [submit(self._read_piece, key, buffer, target, start, end) for start, end in self._source.pieces]
 
     def _read_piece(self, handle, key: tuple[int, int], buffer: int, target, start: int, end: int) -> None:
         self._copier.wait_until_free(buffer)  # its previous block's copy has finished
@@ -255,7 +333,8 @@ class StreamingProvider:
         RAM tier's (``ram_slots``: its blocks, 0 without a tier)."""
         return dict(self.counters.snapshot().as_dict(), n_slots=self.n_slots, slot_bytes=self.layout.slot_bytes,
                     pool_bytes=self.layout.pool_bytes, device=self.device,
-                    ram_slots=self.tier.n_blocks if self.tier else 0)
+                    ram_slots=self.tier.n_blocks if self.tier else 0,
+                    prefetch_slots=self.settings.prefetch_slots if self.book is not None else 0)
 
     def close(self) -> None:
         """Detach from the context, stop the read threads, close files, free staging memory; idempotent."""

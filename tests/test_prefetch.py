@@ -1,0 +1,197 @@
+"""Router-lookahead prefetch: bit-exact logits with it on, its counters, the read pool's priorities, the book.
+
+The end-to-end runs go through tests/logits_worker.py (provider="streaming", ``prefetch=True``) against an
+unpatched libllama, with pools small enough that every step evicts.
+"""
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from llamapack.provider.prefetch import PrefetchBook
+from llamapack.provider.reads import ReadPool
+
+N_PROMPT, N_DECODE, N_THREADS = 48, 24, 1
+PRESETS = ("qwen3moe-tiny", "deepseek2-tiny", "gpt-oss-tiny", "mixtral-tiny")  # dense first layer; router bias
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from llamapack.pack import build_pack
+    from llamapack.synth import write_model
+
+    folder, out = tmp_path_factory.mktemp("prefetch"), {}
+    for preset in PRESETS:
+        path = write_model(folder / f"{preset}.gguf", preset, seed=0)
+        out[preset] = (path, build_pack(path, progress=False, safety_margin_mib=0).pack_path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vanilla(models, tmp_path_factory):
+    from hookutil import logits
+
+    folder, cache = tmp_path_factory.mktemp("prefetch-vanilla"), {}
+
+    def get(preset: str, n_ubatch: int) -> np.ndarray:
+        if (preset, n_ubatch) not in cache:
+            spec = spec_for(models[preset][0], n_ubatch, folder / f"{preset}-{n_ubatch}.npy", mode="vanilla")
+            cache[preset, n_ubatch] = logits(spec, folder, vanilla=True)[0]
+        return cache[preset, n_ubatch]
+
+    return get
+
+
+def spec_for(model, n_ubatch: int, out, **extra) -> dict:
+    return {**dict(model=str(model), mode="hook", n_ubatch=n_ubatch, n_prompt=N_PROMPT, n_decode=N_DECODE,
+                   out=str(out), n_threads=N_THREADS), **extra}
+
+
+def small_pool(preset: str, n_ubatch: int) -> int:
+    from llamapack.synth import PRESETS as SPECS
+
+    spec = SPECS[preset]
+    return min(spec.n_expert, spec.n_expert_used * n_ubatch)
+
+
+def stride_of(pack_path) -> int:
+    from llamapack.pack import PackReader
+
+    with PackReader(pack_path) as reader:
+        return reader.layout.expert_stride
+
+
+@pytest.mark.parametrize("source", ["pack", "gguf"])
+@pytest.mark.parametrize("n_ubatch", [1, 7])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefetch_keeps_logits_bit_exact(preset, n_ubatch, source, models, vanilla, tmp_path):
+    from hookutil import logits
+
+    gguf, pack = models[preset]
+    serve = dict(pack=True, serve_from=str(pack)) if source == "pack" else {}
+    spec = spec_for(gguf, n_ubatch, tmp_path / "p.npy", provider="streaming", n_slots=small_pool(preset, n_ubatch),
+                    streaming=dict(stage_slots=3, read_splits=2, prefetch=True, prefetch_slots=4), **serve)
+    got, stats = logits(spec, tmp_path)
+    want = vanilla(preset, n_ubatch)
+    assert np.array_equal(got, want), f"max |diff| = {np.abs(got - want).max()}"
+    assert stats["io_errors"] == 0 and stats["prefetch_slots"] == 4
+    # the lookahead ran and was used: predictions were made and some misses were read ahead of their layer
+    assert stats["lookahead_keys"] > 0 and 0 < stats["lookahead_hits"] <= stats["lookahead_keys"]
+    assert 0 < stats["prefetch_used"] <= stats["cache_misses"]
+    assert stats["prefetch_used"] + stats["prefetch_wasted"] <= stats["prefetch_reads"]
+    if source == "pack":  # every miss read once (on demand or ahead), plus the wasted lookahead reads
+        assert stats["pack_read_bytes"] == stats["cache_misses"] * stride_of(pack) + stats["prefetch_wasted_bytes"]
+    print(f"\n{preset} ub{n_ubatch} {source}: lookahead accuracy {stats['lookahead_accuracy']:.2f}, "
+          f"{stats['prefetch_used']}/{stats['cache_misses']} misses read ahead, {stats['prefetch_wasted']} wasted")
+
+
+def test_prefetch_off_adds_no_lookahead(models, vanilla, tmp_path):
+    from hookutil import logits
+
+    spec = spec_for(models["qwen3moe-tiny"][0], 1, tmp_path / "p.npy", provider="streaming", n_slots=8,
+                    streaming=dict(stage_slots=2))
+    got, stats = logits(spec, tmp_path)
+    assert np.array_equal(got, vanilla("qwen3moe-tiny", 1))
+    assert stats["prefetch_reads"] == stats["lookahead_keys"] == 0 and stats["prefetch_slots"] == 0
+
+
+# ---------------------------------------------------------------- read pool priorities
+class Gate:
+    """A read that blocks until released, recording when it ran."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name, self.release, self.started = log, name, threading.Event(), threading.Event()
+
+    def __call__(self, handle) -> None:
+        self.started.set()
+        self.log.append(self.name)
+        assert self.release.wait(10)
+
+
+class Handle:
+    def close(self):
+        pass
+
+
+def test_demand_reads_start_before_queued_prefetch_reads():
+    log: list = []
+    pool = ReadPool(Handle, n_threads=2, max_prefetch=1)
+    try:
+        blocker = Gate(log, "demand-blocker")
+        pool.submit(blocker)
+        assert blocker.started.wait(5)
+        prefetch_running = Gate(log, "prefetch-1")
+        pool.submit_prefetch(prefetch_running)
+        assert prefetch_running.started.wait(5)  # the one prefetch thread is taken
+        queued = [Gate(log, f"prefetch-{i}") for i in (2, 3)]
+        queued_futures = [pool.submit_prefetch(g) for g in queued]
+        late_demand = Gate(log, "demand-late")
+        demand_future = pool.submit(late_demand)
+        time.sleep(0.2)
+        assert not late_demand.started.is_set()  # both threads busy: nothing preempted
+        blocker.release.set()  # a thread frees up: the demand read goes first, though queued last
+        assert late_demand.started.wait(5)
+        assert not any(g.started.is_set() for g in queued)  # and prefetch stays within its one thread
+        assert pool.promote(queued_futures[1]) and not pool.promote(demand_future)
+        late_demand.release.set()
+        assert queued[1].started.wait(5)  # promoted: ran on a demand thread, before prefetch-2
+        prefetch_running.release.set()
+        for g in queued:
+            g.release.set()
+        for f in queued_futures + [demand_future]:
+            f.result(timeout=5)
+        assert log.index("demand-late") < log.index("prefetch-3") < log.index("prefetch-2")
+    finally:
+        for g in [blocker, prefetch_running, late_demand, *queued]:
+            g.release.set()
+        pool.close()
+
+
+def test_prefetch_threads_are_bounded_and_errors_reach_the_future():
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def read(handle):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+
+    def fail(handle):
+        raise OSError(5, "Input/output error")
+
+    pool = ReadPool(Handle, n_threads=4, max_prefetch=2)
+    try:
+        done = [pool.submit_prefetch(read) for _ in range(12)]
+        for f in done:
+            f.result(timeout=10)
+        assert peak[0] == 2
+        with pytest.raises(OSError, match="Input/output"):
+            pool.submit_prefetch(fail).result(timeout=5)
+    finally:
+        pool.close()
+    with pytest.raises(ValueError):
+        ReadPool(Handle, n_threads=2, max_prefetch=2)  # demand must keep a thread
+
+
+# ---------------------------------------------------------------- book
+def test_book_never_frees_a_buffer_a_read_may_still_write():
+    book = PrefetchBook(range(10, 12))
+    running, finished = Future(), Future()
+    finished.set_result(None)
+    a, b = book.free_buffer(), book.free_buffer()
+    assert {a, b} == {10, 11} and book.free_buffer() is None
+    book.add((3, 1), a, [running])
+    book.add((3, 2), b, [finished])
+    assert book.retire_layer(3, requested={(3, 2)}) == 1  # (3, 1) was a wrong guess
+    assert (3, 1) not in book and (3, 2) in book
+    assert book.reclaim() == [] and book.free_buffer() is None  # its read still runs
+    running.set_result(None)
+    assert [e.key for e in book.reclaim()] == [(3, 1)] and book.free_buffer() == a
+    taken = book.take((3, 2))
+    assert taken.buffer == b and taken.succeeded() and book.take((3, 2)) is None
+    book.release(b)
+    assert book.free_buffer() == b
