@@ -46,7 +46,9 @@ def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_
         served = dict(pack=True, serve_from=str(model.with_suffix(".expert-pack"))) if source == "pack" else {}
         got, stats = logits(dict(base, mode="hook", device=device, n_slots=n_slots, provider=provider,
                                  streaming=streaming or {}, out=str(tmp / "h.npy"), **served), tmp, lib_dir=patched_lib)
-        cases.append(case(preset, provider + ("+ram" if (streaming or {}).get("ram_cache_mib") else ""), source, n_ubatch, n_prompt, n_slots, spec.n_expert, want, noprov, got,
+        label = provider + ("+ram" if (streaming or {}).get("ram_cache_mib") else "") + (
+            "+prefetch" if (streaming or {}).get("prefetch") else "")
+        cases.append(case(preset, label, source, n_ubatch, n_prompt, n_slots, spec.n_expert, want, noprov, got,
                           stats, time.time() - t0))
     return cases
 
@@ -60,17 +62,23 @@ def case(preset, provider, source, n_ubatch, n_prompt, n_slots, n_expert, want, 
                 max_abs_diff=float(diff.max()), rows_differing=int((diff.max(axis=1) > 0).sum()),
                 argmax_agree=float((got.argmax(1) == want.argmax(1)).mean()),
                 cache_misses=stats["cache_misses"], cache_evictions=stats["cache_evictions"],
+                prefetch_used=stats.get("prefetch_used", 0), lookahead_accuracy=stats.get("lookahead_accuracy"),
                 seconds=round(seconds, 1))
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions | misses read ahead |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['preset']} | {r.get('provider', 'reference')} | {r.get('source', 'gguf')} | {r['n_ubatch']} | {r['n_slots']}/{r['n_expert']} | {r['bit_exact']} | "
                      f"{r['patched_no_provider_bit_exact']} | {r['max_abs_diff']:.3g} | {r['rows_differing']}/{r['rows']} | "
-                     f"{r['cache_misses']} | {r['cache_evictions']} |")
+                     f"{r['cache_misses']} | {r['cache_evictions']} | {r.get('prefetch_used', 0)} |")
     return "\n".join(lines) + "\n"
+
+
+def streaming_settings(args) -> dict:
+    settings = dict(ram_cache_mib=args.ram_cache_mib) if args.ram_cache_mib else {}
+    return dict(settings, prefetch=True) if args.prefetch else settings
 
 
 def main() -> int:
@@ -85,6 +93,7 @@ def main() -> int:
     parser.add_argument("--sources", nargs="*", choices=["gguf", "pack"], default=["gguf"],
                         help="where the provider reads experts: GGUF-direct, the expert pack, or both")
     parser.add_argument("--ram-cache-mib", type=float, help="streaming provider: a host-RAM tier of this size")
+    parser.add_argument("--prefetch", action="store_true", help="streaming provider: router-lookahead prefetch")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
     args = parser.parse_args()
     results = []
@@ -98,7 +107,7 @@ def main() -> int:
                 try:
                     cases = compare(preset, n_ubatch, model, args.vanilla_lib, args.patched_lib, tmp, args.device,
                                     args.n_prompt, args.provider, args.sources,
-                                    dict(ram_cache_mib=args.ram_cache_mib) if args.ram_cache_mib else None)
+                                    streaming_settings(args))
                 except AssertionError as exc:  # a worker crashed: record it, go on with the rest
                     cases = [dict(preset=preset, n_ubatch=n_ubatch, error=str(exc)[-2000:])]
                 for r in cases:

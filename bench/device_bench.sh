@@ -4,6 +4,8 @@
 # .devtree/vocab also needs ggml-vocab-qwen2.gguf):
 #   run(command="bash bench/device_bench.sh prepare", carry=[".devtree", ".whl"])  # build, bit-exact, model, pack
 #   run(command="bash bench/device_bench.sh bench", carry=[".devtree", ".whl"])    # the side-by-side runs
+#   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh prefetch", ...)   # #9: build, bit-exact, model
+#   then bench with PREFETCH=1 (adds the +prefetch runs)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -34,10 +36,22 @@ prepare)
     cat "$out/synth.log" | tail -3
     ls -la "$work"; df -h "$work"
     ;;
+prefetch)  # issue #9: build, CUDA bit-exact with router lookahead, and the model (SKEW, default 0) with its pack
+    (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "${SKEW:-0}" > "$out/synth.log" 2>&1 \
+        && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
+    synth=$!
+    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
+    tail -3 "$out/machine.txt"
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_prefetch.json" --provider streaming --prefetch --sources gguf pack \
+        --ubatch 1 512 2>&1 | tail -3
+    wait $synth
+    tail -3 "$out/synth.log"
+    ;;
 bench)
     lp bench "$model" -o "$out/bench" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
-        --decode-cap-s "${DECODE_CAP_S:-20}" ${RAM_TIER:+--ram-tier} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        --decode-cap-s "${DECODE_CAP_S:-20}" ${RAM_TIER:+--ram-tier} ${PREFETCH:+--prefetch} ${CONFIGS:+--configs $CONFIGS} 2>&1
     cp "$out/bench/bench.md" "$out/bench/bench.json" "$out/bench/bench.png" "$out/" 2>/dev/null
     ;;
 esac
