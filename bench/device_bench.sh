@@ -42,16 +42,16 @@ prefetch)  # issue #9: build, CUDA bit-exact with router lookahead, and the mode
     synth=$!
     LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
     tail -3 "$out/machine.txt"
-    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_bitexact_prefetch.json" --provider streaming --prefetch --sources gguf pack \
-        --ubatch 1 512 2>&1 | tail -3
+    [ -n "${SKIP_BITEXACT:-}" ] || python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" \
+        --patched-lib "$build/patched" --out "$out/cuda_bitexact_prefetch.json" --provider streaming --prefetch \
+        --sources gguf pack --ubatch 1 512 2>&1 | tail -3
     wait $synth
     tail -3 "$out/synth.log"
     ;;
 bench)
     lp bench "$model" -o "$out/bench" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
-        --decode-cap-s "${DECODE_CAP_S:-20}" ${RAM_TIER:+--ram-tier} ${PREFETCH:+--prefetch} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        --decode-cap-s "${DECODE_CAP_S:-20}" ${RAM_TIER:+--ram-tier} ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} ${CONFIGS:+--configs $CONFIGS} 2>&1
     cp "$out/bench/bench.md" "$out/bench/bench.json" "$out/bench/bench.png" "$out/" 2>/dev/null
     ;;
 esac

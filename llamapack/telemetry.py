@@ -41,6 +41,7 @@ class ProviderCounters:
     read_wait_s: float = 0.0
     copy_wait_s: float = 0.0
     provide_s: float = 0.0  # seconds inside acquire (policy, reads, copies): decode time minus this is compute
+    lookahead_s: float = 0.0  # seconds inside the lookahead callback (starting reads; not in provide_s)
     ram_hits: int = 0       # host-RAM tier: slot-pool misses served from a RAM block (no SSD read)
     ram_misses: int = 0     # slot-pool misses read from the SSD into a RAM block (ram_hits + ram_misses ==
     ram_evictions: int = 0  # cache_misses while the tier is on); RAM blocks taken from another expert
@@ -129,7 +130,7 @@ class CounterAccumulator:
     def timing(self, wait_counter: str) -> Iterator[None]:
         """Add the seconds the ``with`` body takes to ``wait_counter`` (``read_wait_s``, ``copy_wait_s`` or
         ``provide_s``)."""
-        if wait_counter not in ("read_wait_s", "copy_wait_s", "provide_s"):
+        if wait_counter not in ("read_wait_s", "copy_wait_s", "provide_s", "lookahead_s"):
             raise TypeError(f"not a wait counter: {wait_counter!r}")
         started = time.perf_counter()
         try:

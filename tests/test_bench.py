@@ -31,6 +31,9 @@ def test_matrix_has_the_side_by_side_runs():
     with_prefetch = [c.name for c in default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch=True)]
     assert with_prefetch[-3:] == ["cpu-moe@8G", "pack-25%@8G", "pack-25%+prefetch@8G"]
     assert default_matrix(16, 8192, (0.25,), prefetch=True)[-2].prefetch  # before gguf-direct-25%@8G
+    tops = default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch_tops=(1, 2))
+    assert [(c.name, c.prefetch_top) for c in tops[-2:]] == [("pack-25%+prefetch-top1@8G", 1),
+                                                             ("pack-25%+prefetch-top2@8G", 2)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -85,7 +88,7 @@ def test_report_arithmetic_on_hand_built_results(tmp_path):
     assert pack.io_bound_tok_s == pytest.approx(5.0)  # 500 MiB/s over 100 MiB per token
     assert pack.io_bound_fraction == pytest.approx(0.4)
     assert pack.breakdown == pytest.approx(dict(read_wait_s=0.3, copy_wait_s=0.05, provider_other_s=0.05,
-                                                outside_provider_s=0.1))
+                                                lookahead_s=0.0, outside_provider_s=0.1))
     assert pack.bit_exact == "yes (2 steps)"
     assert rows["cpu-moe@8G"].bit_exact.startswith("NO (first at request of 8 tokens, step 1)")
     assert rows["vanilla-vram"].bit_exact == "reference" and not rows["gguf-direct-25%@8G"].ok

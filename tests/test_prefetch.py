@@ -87,6 +87,17 @@ def test_prefetch_keeps_logits_bit_exact(preset, n_ubatch, source, models, vanil
           f"{stats['prefetch_used']}/{stats['cache_misses']} misses read ahead, {stats['prefetch_wasted']} wasted")
 
 
+def test_prefetch_top_limits_the_guesses_read(models, vanilla, tmp_path):
+    from hookutil import logits
+
+    spec = spec_for(models["qwen3moe-tiny"][0], 1, tmp_path / "p.npy", provider="streaming", n_slots=4,
+                    streaming=dict(stage_slots=2, prefetch=True, prefetch_top=1))
+    got, stats = logits(spec, tmp_path)
+    assert np.array_equal(got, vanilla("qwen3moe-tiny", 1))
+    assert 0 < stats["prefetch_reads"] <= stats["acquires"]  # one guess per token and layer, one token per ubatch
+    assert stats["prefetch_used"] > 0
+
+
 def test_prefetch_off_adds_no_lookahead(models, vanilla, tmp_path):
     from hookutil import logits
 

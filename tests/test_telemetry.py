@@ -105,8 +105,9 @@ def test_json_has_every_counter_and_the_derived_numbers():
     assert data["acquires"] == 2 and data["hit_rate"] == 0.25 and data["read_bytes_per_token"] == 10
     assert set(data) == {"acquires", "tokens", "cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes",
                          "h2d_bytes", "fallback_count", "io_errors", "read_wait_s", "copy_wait_s", "provide_s",
-                         "ram_hits", "ram_misses", "ram_evictions",
-                         "hit_rate", "read_bytes_per_token", "h2d_bytes_per_token"}
+                         "ram_hits", "ram_misses", "ram_evictions", "lookahead_s", "lookahead_keys", "lookahead_hits",
+                         "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes",
+                         "hit_rate", "read_bytes_per_token", "h2d_bytes_per_token", "lookahead_accuracy"}
 
 
 def test_ram_tier_counters():

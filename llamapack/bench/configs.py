@@ -29,6 +29,7 @@ class BenchConfig:
     vram_fraction: float | None = None
     ram_fraction: float | None = None
     prefetch: bool = False
+    prefetch_top: int | None = None
     memory_limit_mib: int | None = None
     n_threads: int = 4
     n_gpu_layers: int = 99
@@ -69,13 +70,14 @@ def percent(fraction: float) -> str:
 
 def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 0.5), *, gpu: bool = True,
                    gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False,
-                   prefetch: bool = False) -> list[BenchConfig]:
+                   prefetch: bool = False, prefetch_tops=()) -> list[BenchConfig]:
     """The side-by-side set, reference first.
 
     ``memory_limit_mib`` None leaves out the limited runs (a machine without cgroup v2). ``full_cache`` adds
     a pack run whose cache holds every expert: no reads, so its gap to the reference is the hook's own cost.
     ``ram_tier`` adds pack runs with a host-RAM tier holding every expert (no limit: the RAM-rich case).
-    ``prefetch`` adds, beside each limited pack run, the same run with router lookahead (``+prefetch``).
+    ``prefetch`` adds, beside each limited pack run, the same run with router lookahead (``+prefetch``), and
+    each r of ``prefetch_tops`` one that prefetches only each token's best r guesses (``+prefetch-top{r}``).
     Without a GPU (``gpu=False``) the reference runs with repacking off, as a host slot pool does, so that
     its logits can be compared exactly. Under a memory limit the ``--cpu-moe`` run cannot repack (repacking copies every expert into RAM,
     which the limit does not hold): it runs with the experts mmapped, as ``--no-repack`` does.
@@ -92,6 +94,8 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
         limited.append(BenchConfig(f"pack-{percent(f)}", source=PACK, vram_fraction=f))
         if prefetch:
             limited.append(BenchConfig(f"pack-{percent(f)}+prefetch", source=PACK, vram_fraction=f, prefetch=True))
+        limited += [BenchConfig(f"pack-{percent(f)}+prefetch-top{r}", source=PACK, vram_fraction=f, prefetch=True,
+                                prefetch_top=r) for r in prefetch_tops]
     if gguf_direct:
         limited += [BenchConfig(f"gguf-direct-{percent(f)}", source=GGUF_DIRECT, vram_fraction=f) for f in fractions]
     if memory_limit_mib is not None:

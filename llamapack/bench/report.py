@@ -9,6 +9,7 @@ logits equal the reference run's bit for bit.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,10 +69,11 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
     decode_tok_s = decoded / decode_s if decode_s > 0 else None
     breakdown = None
     if decoded and "provide_s" in counters:
-        provide, read, copy = (counters.get(k, 0.0) for k in ("provide_s", "read_wait_s", "copy_wait_s"))
+        provide, read, copy, ahead = (counters.get(k, 0.0) for k in ("provide_s", "read_wait_s", "copy_wait_s",
+                                                                       "lookahead_s"))
         breakdown = {k: v / decoded for k, v in dict(
             read_wait_s=read, copy_wait_s=copy, provider_other_s=max(provide - read - copy, 0.0),
-            outside_provider_s=max(decode_s - provide, 0.0)).items()}
+            lookahead_s=ahead, outside_provider_s=max(decode_s - provide - ahead, 0.0)).items()}
     lookahead = None
     if counters.get("lookahead_keys") and decoded:
         lookahead = dict(accuracy=counters["lookahead_hits"] / counters["lookahead_keys"],
@@ -166,19 +168,20 @@ def markdown(results: dict) -> str:
                   "| run | decode vs without prefetch | prediction accuracy | misses read ahead | wasted SSD MiB/token |",
                   "|---|---|---|---|---|"]
         for row in with_lookahead:
-            base = by_name.get(row.name.replace("+prefetch", ""))
+            base = by_name.get(re.sub(r"\+prefetch(-top\d+)?", "", row.name))
             speedup = row.decode_tok_s / base.decode_tok_s if base and base.decode_tok_s and row.decode_tok_s else None
             la = row.lookahead
             lines.append(f"| {row.name} | {_f(speedup)}x | {_f(la['accuracy'], '.1%')} | "
                          f"{_f(la['misses_read_ahead'], '.1%')} | {_f(la['wasted_bytes_per_token'], '.2f', 1 / MIB)} |")
     lines += ["", "## Where decode time went (ms per token)", "",
-              "| run | waiting on reads | waiting on copies | rest of the provider | outside the provider |",
-              "|---|---|---|---|---|"]
+              "| run | waiting on reads | waiting on copies | rest of the provider | lookahead callback | outside the provider |",
+              "|---|---|---|---|---|---|"]
     for row in rows:
         if row.ok and row.breakdown:
             b = row.breakdown
             lines.append(f"| {row.name} | {b['read_wait_s'] * 1e3:.1f} | {b['copy_wait_s'] * 1e3:.1f} | "
-                         f"{b['provider_other_s'] * 1e3:.1f} | {b['outside_provider_s'] * 1e3:.1f} |")
+                         f"{b['provider_other_s'] * 1e3:.1f} | {b.get('lookahead_s', 0) * 1e3:.1f} | "
+                         f"{b['outside_provider_s'] * 1e3:.1f} |")
     lines += ["", "Outside the provider: GPU compute, the router ids' readback to the CPU and llama.cpp's own work "
               "(compare with pack-100%, which reads nothing)."]
     return "\n".join(lines) + "\n"

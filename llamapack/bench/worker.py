@@ -41,7 +41,7 @@ def load(spec: dict, config: BenchConfig):
 
     extra = {} if config.ram_fraction is None else dict(ram_cache_mib=config.ram_cache_mib(spec["expert_bytes"]))
     if config.prefetch:
-        extra["prefetch"] = True
+        extra.update(prefetch=True, prefetch_top=config.prefetch_top)
     source = dict(gguf_direct=True) if config.source == "gguf_direct" else dict(pack=spec.get("pack") or True)
     return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
                  stage_slots=spec.get("stage_slots", 4), read_splits=spec.get("read_splits", 1), **extra, **params)
@@ -57,7 +57,7 @@ def provider_counters(llm) -> dict:
 
 COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "read_wait_s",
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
-                  "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes")
+                  "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "lookahead_s")
 
 
 def delta(after: dict, before: dict) -> dict:

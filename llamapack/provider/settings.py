@@ -24,7 +24,8 @@ class StreamingSettings:
     pool) holding whole expert blocks between the SSD and the pool (None: no tier; see host_tier).
     ``prefetch``: router lookahead; while a layer computes, read the experts the next layer's router would
     pick from this layer's input, into ``prefetch_slots`` buffers of their own, at a lower priority than
-    demand reads (see prefetch). Compute always uses the router's real choice.
+    demand reads (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
+    n_expert_used). Compute always uses the router's real choice.
     """
 
     cache_vram_mib: float | None = None
@@ -39,10 +40,11 @@ class StreamingSettings:
     read_timeout_s: float | None = 60.0
     ram_cache_mib: float | None = None
     prefetch: bool = False
-    prefetch_slots: int = 8
+    prefetch_slots: int = 4
+    prefetch_top: int | None = None
 
     def __post_init__(self):
-        for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots"):
+        for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.cache_vram_mib is not None and self.cache_vram_mib <= 0:
