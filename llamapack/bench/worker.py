@@ -104,7 +104,8 @@ def run(spec: dict) -> dict:
     finally:
         llm.close()
     return dict(config=config.as_dict(), load_s=load_s, requests=requests,
-                provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots") if k in pack},
+                provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots",
+                                          "prefetch_top") if k in pack},
                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 

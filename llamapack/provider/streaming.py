@@ -336,7 +336,8 @@ class StreamingProvider:
         return dict(self.counters.snapshot().as_dict(), n_slots=self.n_slots, slot_bytes=self.layout.slot_bytes,
                     pool_bytes=self.layout.pool_bytes, device=self.device,
                     ram_slots=self.tier.n_blocks if self.tier else 0,
-                    prefetch_slots=self.settings.prefetch_slots if self.book is not None else 0)
+                    prefetch_slots=self.settings.prefetch_slots if self.book is not None else 0,
+                    prefetch_top=self.settings.prefetch_top)
 
     def close(self) -> None:
         """Detach from the context, stop the read threads, close files, free staging memory; idempotent."""
