@@ -22,6 +22,7 @@ export LLAMAPACK_VOCAB_DIR="$repo/.devtree/vocab"
 if [ "$stage" = all ] || [ "$stage" = build ]; then
     { nvidia-smi -L; nproc; python3 --version; python3 -c 'import cupy; print("cupy", cupy.__version__)'; } > "$out/machine.txt" 2>&1
     start=$(date +%s)
+    rm -rf "$build/build-patched"  # a warm machine's tree ends on the vanilla build: never reuse it as patched
     LLAMAPACK_CUDA="${LLAMAPACK_CUDA:-1}" LLAMAPACK_CUDA_ARCHS=90 LLAMAPACK_JOBS="${LLAMAPACK_JOBS:-16}" \
         python3 scripts/build_llama.py --sdist-dir .devtree/src --work-dir "$build" --no-install > "$out/build.log" 2>&1
     mkdir -p "$build/patched" "$build/vanilla"

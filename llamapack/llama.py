@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import llama_cpp
 
 from . import native
+from .errors import NativeError
 from .compat import model_params_override
 from .pack import GgufDirectReader, PackReader, default_pack_path, open_gguf
 from .provider.streaming import StreamingProvider, StreamingSettings
@@ -88,6 +89,9 @@ class Llama(llama_cpp.Llama):
             with model_params_override(**overrides), native.lazy_experts_load():
                 super().__init__(model_path, *args, **kwargs)
             tensors = native.expert_tensors(native.model_ptr(self._model))
+            if not tensors:
+                raise NativeError(f"{model_path}: libllama reports no routed-expert tensors (not an MoE model, or a "
+                                  "libllama whose hook is not compiled in); nothing to serve from the pack")
             arch = self.metadata.get("general.architecture", "")
             n_used = int(self.metadata.get(f"{arch}.expert_used_count", max(t.n_expert for t in tensors)))
             self._provider = StreamingProvider(

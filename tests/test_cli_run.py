@@ -118,7 +118,7 @@ def test_run_with_prefetch_and_ram_tier_writes_the_same_text(models, tmp_path):
     assert code == 0, err
     assert out == plain  # greedy: the same tokens with the lookahead and the RAM tier on
     pack = json.loads(stats_path.read_text())["pack"]
-    assert pack["prefetch_slots"] == 8 and pack["ram_slots"] > 0 and pack["lookahead_keys"] > 0
+    assert pack["prefetch_slots"] == 4 and pack["ram_slots"] > 0 and pack["lookahead_keys"] > 0
 
 
 def test_run_chat_reads_lines_until_empty(models, tmp_path):

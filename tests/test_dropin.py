@@ -135,3 +135,21 @@ def test_without_pack_it_is_llama_cpp(model):
     finally:
         plain.close()
         reference.close()
+
+
+def test_prefetch_settings_reach_the_provider(model, pair):
+    """Every StreamingSettings field of the drop-in is a named parameter: one llama_cpp.Llama would take in
+    its **kwargs is silently dropped (prefetch_top once was)."""
+    import inspect
+
+    from llamapack.provider.settings import StreamingSettings
+
+    named = inspect.signature(llamapack.Llama.__init__).parameters
+    missing = [f for f in StreamingSettings.__dataclass_fields__ if f != "n_slots" and f not in named]
+    assert missing == []
+    with llamapack.Llama(model, pack=True, cache_slots=4, n_ubatch=1, prefetch=True, prefetch_top=1,
+                         prefetch_slots=3, **PARAMS) as llm:
+        want = pair[0].create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+        assert llm.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == want
+        stats = llm.pack_stats()
+    assert (stats["prefetch_top"], stats["prefetch_slots"]) == (1, 3) and stats["lookahead_keys"] > 0
