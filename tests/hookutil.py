@@ -46,3 +46,37 @@ def run_worker(spec: dict, tmp_path: Path, vanilla: bool = False, timeout: int =
 def logits(spec: dict, tmp_path: Path, vanilla: bool = False, lib_dir: Path | None = None) -> tuple[np.ndarray, dict]:
     result = run_worker(spec, tmp_path, vanilla=vanilla, lib_dir=lib_dir)
     return np.load(spec["out"]), result
+
+
+def models_with_packs(folder: Path, presets) -> dict:
+    """preset -> (gguf path, pack path): each synthetic model (seed 0) with its expert pack beside it."""
+    from llamapack.pack import build_pack
+    from llamapack.synth import write_model
+
+    out = {}
+    for preset in presets:
+        path = write_model(folder / f"{preset}.gguf", preset, seed=0)
+        out[preset] = (Path(path), Path(build_pack(path, progress=False, safety_margin_mib=0).pack_path))
+    return out
+
+
+def smallest_pool(preset: str, n_ubatch: int) -> int:
+    """The fewest slots a ubatch of ``n_ubatch`` tokens of this preset may need (one layer's working set)."""
+    from llamapack.synth import PRESETS
+
+    spec = PRESETS[preset]
+    return min(spec.n_expert, spec.n_expert_used * n_ubatch)
+
+
+def cached_vanilla(folder: Path, vanilla_spec):
+    """(preset, n_ubatch) -> vanilla logits, computed on first use; ``vanilla_spec(preset, n_ubatch, out)``
+    gives the worker spec."""
+    cache = {}
+
+    def get(preset: str, n_ubatch: int) -> np.ndarray:
+        if (preset, n_ubatch) not in cache:
+            spec = vanilla_spec(preset, n_ubatch, folder / f"{preset}-{n_ubatch}.npy")
+            cache[preset, n_ubatch] = logits(spec, folder, vanilla=True)[0]
+        return cache[preset, n_ubatch]
+
+    return get

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hookutil import logits, run_worker
+from hookutil import smallest_pool as small_pool  # noqa: F401 - also imported by test_seed_archs
 from llamapack.synth import PRESETS, write_model
 
 ARCH_PRESETS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tiny", "mixtral-tiny")
@@ -30,12 +31,6 @@ def model_path(model_dir, preset: str):
     if not path.exists():
         write_model(path, preset, seed=0)
     return path
-
-
-def small_pool(preset: str, n_ubatch: int) -> int:
-    """Fewest slots one step can need (n_used per token), and smaller than the expert count when possible."""
-    spec = PRESETS[preset]
-    return min(spec.n_expert, spec.n_expert_used * n_ubatch)
 
 
 def spec_for(model, mode: str, n_ubatch: int, out, **extra) -> dict:

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 from test_provider_streaming import (N_DECODE, N_PROMPT, PRESETS, expected_read_bytes, fake_cupy,  # noqa: F401
-                                     models, run_self, small_pool, source_spec, spec_for, vanilla)
+                                     models, run_self, source_spec, spec_for, vanilla)
+from hookutil import smallest_pool as small_pool
 
 from llamapack.cache_policy import LfuLruPolicy
 from llamapack.errors import CapacityError

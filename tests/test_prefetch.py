@@ -19,41 +19,22 @@ PRESETS = ("qwen3moe-tiny", "deepseek2-tiny", "gpt-oss-tiny", "mixtral-tiny")  #
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from llamapack.pack import build_pack
-    from llamapack.synth import write_model
+    from hookutil import models_with_packs
 
-    folder, out = tmp_path_factory.mktemp("prefetch"), {}
-    for preset in PRESETS:
-        path = write_model(folder / f"{preset}.gguf", preset, seed=0)
-        out[preset] = (path, build_pack(path, progress=False, safety_margin_mib=0).pack_path)
-    return out
+    return models_with_packs(tmp_path_factory.mktemp("prefetch"), PRESETS)
 
 
 @pytest.fixture(scope="module")
 def vanilla(models, tmp_path_factory):
-    from hookutil import logits
+    from hookutil import cached_vanilla
 
-    folder, cache = tmp_path_factory.mktemp("prefetch-vanilla"), {}
-
-    def get(preset: str, n_ubatch: int) -> np.ndarray:
-        if (preset, n_ubatch) not in cache:
-            spec = spec_for(models[preset][0], n_ubatch, folder / f"{preset}-{n_ubatch}.npy", mode="vanilla")
-            cache[preset, n_ubatch] = logits(spec, folder, vanilla=True)[0]
-        return cache[preset, n_ubatch]
-
-    return get
+    return cached_vanilla(tmp_path_factory.mktemp("prefetch-vanilla"),
+                          lambda preset, n_ubatch, out: spec_for(models[preset][0], n_ubatch, out, mode="vanilla"))
 
 
 def spec_for(model, n_ubatch: int, out, **extra) -> dict:
     return {**dict(model=str(model), mode="hook", n_ubatch=n_ubatch, n_prompt=N_PROMPT, n_decode=N_DECODE,
                    out=str(out), n_threads=N_THREADS), **extra}
-
-
-def small_pool(preset: str, n_ubatch: int) -> int:
-    from llamapack.synth import PRESETS as SPECS
-
-    spec = SPECS[preset]
-    return min(spec.n_expert, spec.n_expert_used * n_ubatch)
 
 
 def stride_of(pack_path) -> int:
@@ -67,11 +48,11 @@ def stride_of(pack_path) -> int:
 @pytest.mark.parametrize("n_ubatch", [1, 7])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_prefetch_keeps_logits_bit_exact(preset, n_ubatch, source, models, vanilla, tmp_path):
-    from hookutil import logits
+    from hookutil import logits, smallest_pool
 
     gguf, pack = models[preset]
     serve = dict(pack=True, serve_from=str(pack)) if source == "pack" else {}
-    spec = spec_for(gguf, n_ubatch, tmp_path / "p.npy", provider="streaming", n_slots=small_pool(preset, n_ubatch),
+    spec = spec_for(gguf, n_ubatch, tmp_path / "p.npy", provider="streaming", n_slots=smallest_pool(preset, n_ubatch),
                     streaming=dict(stage_slots=3, read_splits=2, prefetch=True, prefetch_slots=4), **serve)
     got, stats = logits(spec, tmp_path)
     want = vanilla(preset, n_ubatch)

@@ -139,43 +139,23 @@ def run_self(spec: dict, tmp_path: Path) -> dict:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """preset -> (gguf path, pack path), built once for the module."""
-    from llamapack.pack import build_pack
-    from llamapack.synth import write_model
+    from hookutil import models_with_packs
 
-    folder = tmp_path_factory.mktemp("streaming")
-    out = {}
-    for preset in PRESETS:
-        path = write_model(folder / f"{preset}.gguf", preset, seed=0)
-        out[preset] = (Path(path), Path(build_pack(path, progress=False, safety_margin_mib=0).pack_path))
-    return out
+    return models_with_packs(tmp_path_factory.mktemp("streaming"), PRESETS)
 
 
 @pytest.fixture(scope="module")
 def vanilla(models, tmp_path_factory):
     """(preset, n_ubatch) -> vanilla logits, computed on first use."""
-    from hookutil import logits
+    from hookutil import cached_vanilla
 
-    folder, cache = tmp_path_factory.mktemp("vanilla"), {}
-
-    def get(preset: str, n_ubatch: int) -> np.ndarray:
-        if (preset, n_ubatch) not in cache:
-            spec = spec_for(models[preset][0], n_ubatch, folder / f"{preset}-{n_ubatch}.npy", mode="vanilla")
-            cache[preset, n_ubatch] = logits(spec, folder, vanilla=True)[0]
-        return cache[preset, n_ubatch]
-
-    return get
+    return cached_vanilla(tmp_path_factory.mktemp("vanilla"),
+                          lambda preset, n_ubatch, out: spec_for(models[preset][0], n_ubatch, out, mode="vanilla"))
 
 
 def spec_for(model, n_ubatch: int, out, **extra) -> dict:
     return {**dict(model=str(model), mode="hook", n_ubatch=n_ubatch, n_prompt=N_PROMPT, n_decode=N_DECODE,
                    out=str(out), n_threads=N_THREADS), **extra}
-
-
-def small_pool(preset: str, n_ubatch: int) -> int:
-    from llamapack.synth import PRESETS as SPECS
-
-    spec = SPECS[preset]
-    return min(spec.n_expert, spec.n_expert_used * n_ubatch)
 
 
 def source_spec(models, preset: str, source: str) -> dict:
@@ -188,7 +168,9 @@ def source_spec(models, preset: str, source: str) -> dict:
 def test_streaming_logits_equal_vanilla(preset, n_ubatch, source, models, vanilla, tmp_path):
     from hookutil import logits
 
-    n_slots = small_pool(preset, n_ubatch)
+    from hookutil import smallest_pool
+
+    n_slots = smallest_pool(preset, n_ubatch)
     spec = spec_for(models[preset][0], n_ubatch, tmp_path / "s.npy", provider="streaming", n_slots=n_slots,
                     streaming=dict(stage_slots=3, read_splits=2), **source_spec(models, preset, source))
     got, stats = logits(spec, tmp_path)

@@ -136,7 +136,8 @@ class StreamingProvider:
     # called from llama.cpp's compute thread right after a layer's _provide, with the next layer's guess
     def _on_lookahead(self, _user, layer, ids_ptr, n_used, n_tokens) -> None:
         try:
-            guesses = np.frombuffer(ffi.buffer(ids_ptr, 4 * n_used * n_tokens), dtype=np.int32).reshape(n_tokens, n_used)
+            guesses = np.frombuffer(ffi.buffer(ids_ptr, 4 * n_used * n_tokens), dtype=np.int32)
+            guesses = guesses.reshape(n_tokens, n_used)
             with self.counters.timing("lookahead_s"):
                 self.prefetch(layer, guesses[:, :self.settings.prefetch_top].ravel())  # best guess first
         except BaseException as exc:  # noqa: BLE001 - advisory: must not unwind into C nor fail the decode
