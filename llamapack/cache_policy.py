@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
 from .errors import CapacityError
 
@@ -48,8 +48,7 @@ Key = tuple[int, int]  # (layer, expert)
 Trace = Sequence[Sequence[Key]]  # one list of keys per step (one layer's top-k for one token or ubatch)
 
 
-@dataclass(frozen=True)
-class SlotAssignment:
+class SlotAssignment(NamedTuple):  # a tuple: built for every key of every step
     """Where one key of a step lives: ``hit`` False means the provider must load ``key`` into ``slot``."""
 
     key: Key
@@ -124,9 +123,12 @@ def check_step_fits(n_keys: int, n_slots: int) -> None:
 class _RankedPolicy:
     """Slot bookkeeping shared by the policies: the victim is the unpinned resident key of lowest rank.
 
-    Subclasses define ``_rank_on_access``; a rank must be unique (it ends with the access tick) and fixed
-    until the key's next access. Candidates sit in a lazy min-heap of (rank, key): an entry whose rank is
-    not the key's current rank (older access, or key no longer resident) is stale and dropped on sight.
+    Subclasses keep per-key state in ``_touch`` (called on every access) and compute a key's current rank
+    from it in ``_rank``. A rank must be unique (it ends with the access tick) and may only grow when the key
+    is accessed. Candidates sit in a lazy min-heap of (rank, key) with at least one entry per resident key,
+    pushed when the key is loaded; a hit pushes nothing (the hot path). A popped entry of a key no longer
+    resident is dropped; one older than its key's rank is pushed back with the current rank. Since entries
+    never exceed their key's current rank, the first popped entry that is current is the true minimum.
     """
 
     def __init__(self, n_slots: int):
@@ -134,7 +136,6 @@ class _RankedPolicy:
             raise CapacityError(f"a slot pool needs at least one slot (asked for {n_slots})")
         self.n_slots = n_slots
         self._slot_of: dict[Key, int] = {}
-        self._rank_of: dict[Key, tuple] = {}  # resident keys only
         self._free_slots: list[int] = list(range(n_slots))  # a min-heap
         self._candidates: list[tuple[tuple, Key]] = []
         self._tick = 0
@@ -144,26 +145,33 @@ class _RankedPolicy:
         wanted = distinct_keys(keys)
         check_step_fits(len(wanted), self.n_slots)
         self._begin_step()
-        pinned = set(wanted)
+        slot_of, touch = self._slot_of, self._touch
+        pinned = None
         assignments, evictions = [], []
         for key in wanted:
-            slot = self._slot_of.get(key)
-            hit = slot is not None
-            if not hit:
-                slot, eviction = self._claim_slot(pinned)
-                if eviction is not None:
-                    evictions.append(eviction)
-                self._slot_of[key] = slot
-            self._record_access(key)
-            assignments.append(SlotAssignment(key, slot, hit))
+            slot = slot_of.get(key)
+            if slot is not None:
+                self._tick += 1
+                touch(key, self._tick)
+                assignments.append(SlotAssignment(key, slot, True))
+                continue
+            if pinned is None:
+                pinned = set(wanted)
+            slot, eviction = self._claim_slot(pinned)
+            if eviction is not None:
+                evictions.append(eviction)
+            slot_of[key] = slot
+            self._tick += 1
+            touch(key, self._tick)
+            self._push_candidate(key)
+            assignments.append(SlotAssignment(key, slot, False))
         return AcquirePlan(tuple(assignments), tuple(evictions))
 
     def abandon(self, key: Key) -> bool:
         slot = self._slot_of.pop(key, None)
         if slot is None:
             return False
-        del self._rank_of[key]
-        heapq.heappush(self._free_slots, slot)
+        heapq.heappush(self._free_slots, slot)  # its heap entries are dropped when popped (not resident)
         return True
 
     def slot_of(self, key: Key) -> int | None:
@@ -182,23 +190,25 @@ class _RankedPolicy:
     def _begin_step(self) -> None:
         """Hook called once per acquire, before any key of the step is touched."""
 
-    def _rank_on_access(self, key: Key, tick: int) -> tuple:
+    def _touch(self, key: Key, tick: int) -> None:
+        """Record an access of ``key`` at ``tick`` (both hits and loads)."""
         raise NotImplementedError
 
-    def _record_access(self, key: Key) -> None:
-        self._tick += 1
-        rank = self._rank_on_access(key, self._tick)
-        self._rank_of[key] = rank
-        heapq.heappush(self._candidates, (rank, key))
+    def _rank(self, key: Key) -> tuple:
+        """The key's rank as of its last access."""
+        raise NotImplementedError
+
+    def _push_candidate(self, key: Key) -> None:
+        heapq.heappush(self._candidates, (self._rank(key), key))
         if len(self._candidates) > 4 * self.n_slots + 64:
-            self._drop_stale_candidates()
+            self._candidates = [(self._rank(k), k) for k in self._slot_of]
+            heapq.heapify(self._candidates)
 
     def _claim_slot(self, pinned: set[Key]) -> tuple[int, Eviction | None]:
         if self._free_slots:
             return heapq.heappop(self._free_slots), None
         victim = self._pop_victim(pinned)
         slot = self._slot_of.pop(victim)
-        del self._rank_of[victim]
         return slot, Eviction(victim, slot)
 
     def _pop_victim(self, pinned: set[Key]) -> Key:
@@ -207,8 +217,12 @@ class _RankedPolicy:
         try:
             while True:
                 rank, key = heapq.heappop(self._candidates)
-                if self._rank_of.get(key) != rank:
-                    continue  # stale
+                if key not in self._slot_of:
+                    continue  # evicted or abandoned since
+                current = self._rank(key)
+                if current != rank:
+                    heapq.heappush(self._candidates, (current, key))  # accessed since: re-rank lazily
+                    continue
                 if key in pinned:
                     kept_pinned.append((rank, key))
                     continue
@@ -217,27 +231,19 @@ class _RankedPolicy:
             for entry in kept_pinned:
                 heapq.heappush(self._candidates, entry)
 
-    def _drop_stale_candidates(self) -> None:
-        self._candidates = [(rank, key) for key, rank in self._rank_of.items()]
-        heapq.heapify(self._candidates)
-
 
 class LruPolicy(_RankedPolicy):
     """Evict the least recently used resident key outside the current step."""
 
-    def _rank_on_access(self, key: Key, tick: int) -> tuple:
-        return (tick,)
+    def __init__(self, n_slots: int):
+        super().__init__(n_slots)
+        self._last_tick: dict[Key, int] = {}
 
+    def _touch(self, key: Key, tick: int) -> None:
+        self._last_tick[key] = tick
 
-@dataclass(frozen=True)
-class DecayedCount:
-    """A key's access count as of ``epoch`` (it halves every epoch after that)."""
-
-    count: float
-    epoch: int
-
-    def at(self, epoch: int) -> float:
-        return self.count * 2.0 ** (self.epoch - epoch)
+    def _rank(self, key: Key) -> tuple:
+        return (self._last_tick[key],)
 
 
 class LfuLruPolicy(_RankedPolicy):
@@ -256,24 +262,33 @@ class LfuLruPolicy(_RankedPolicy):
         if self.half_life < 1 or resolution < 1:
             raise ValueError(f"half_life and resolution must be >= 1 (got {self.half_life}, {resolution})")
         self.resolution = resolution
-        self._counts: dict[Key, DecayedCount] = {}
+        self._counts: dict[Key, tuple[float, int, int]] = {}  # key -> (count at its last access, epoch, tick)
         self._accesses = 0
         self._epoch = 0
 
     def frequency(self, key: Key) -> float:
         """The key's decayed access count now (0 for a key never seen)."""
         known = self._counts.get(key)
-        return known.at(self._epoch) if known else 0.0
+        return known[0] * 2.0 ** (known[1] - self._epoch) if known else 0.0
 
     def _begin_step(self) -> None:
         self._epoch = self._accesses // self.half_life
 
-    def _rank_on_access(self, key: Key, tick: int) -> tuple:
+    def _touch(self, key: Key, tick: int) -> None:
         self._accesses += 1
-        count = self.frequency(key) + 1.0
-        self._counts[key] = DecayedCount(count, self._epoch)
-        level = math.floor(self.resolution * math.log2(count)) + self.resolution * self._epoch
-        return (level, tick)
+        epoch = self._epoch
+        known = self._counts.get(key)
+        if known is None:
+            count = 1.0
+        elif known[1] == epoch:
+            count = known[0] + 1.0
+        else:
+            count = known[0] * 2.0 ** (known[1] - epoch) + 1.0
+        self._counts[key] = (count, epoch, tick)
+
+    def _rank(self, key: Key) -> tuple:
+        count, epoch, tick = self._counts[key]
+        return (math.floor(self.resolution * math.log2(count)) + self.resolution * epoch, tick)
 
 
 def next_use_table(steps: Sequence[Sequence[Key]]) -> list[dict[Key, int]]:

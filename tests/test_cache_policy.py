@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from functools import lru_cache
 from itertools import combinations
 
@@ -193,6 +194,64 @@ def test_invariants_hold_on_random_traces(trace, extra_slots, name, fail_mask):
             failed = plan.loads[-1]
             assert policy.abandon(failed.key)
             assert failed.key not in policy and failed.slot not in policy.resident().values()
+
+
+class ScanReference:
+    """The module docstring's victim rule, by a full scan of the resident keys at every eviction (no heap):
+    what the policies' lazy heap must reproduce exactly. ``half_life`` None: LRU (rank = last access)."""
+
+    def __init__(self, n_slots, half_life=None, resolution=4):
+        self.n_slots, self.half_life, self.resolution = n_slots, half_life, resolution
+        self.resident, self.free = {}, list(range(n_slots))
+        self.counts, self.last, self.accesses, self.tick = {}, {}, 0, 0
+
+    def rank(self, key):
+        if self.half_life is None:
+            return (self.last[key],)
+        count, epoch = self.counts[key]
+        return (math.floor(self.resolution * math.log2(count)) + self.resolution * epoch, self.last[key])
+
+    def acquire(self, keys):
+        epoch = self.accesses // self.half_life if self.half_life else 0
+        out = []
+        for key in keys:
+            hit = key in self.resident
+            if not hit:
+                if self.free:
+                    self.free.sort()
+                    self.resident[key] = self.free.pop(0)
+                else:
+                    victim = min((k for k in self.resident if k not in keys), key=self.rank)
+                    self.resident[key] = self.resident.pop(victim)
+            self.tick += 1
+            self.accesses += 1
+            self.last[key] = self.tick
+            if self.half_life:
+                count, at = self.counts.get(key, (0.0, epoch))
+                self.counts[key] = (count * 2.0 ** (at - epoch) + 1.0, epoch)
+            out.append((key, self.resident[key], hit))
+        return out
+
+    def abandon(self, key):
+        self.free.append(self.resident.pop(key))
+
+
+@settings(max_examples=200, deadline=None)
+@given(trace=traces, extra_slots=st.integers(0, 3), half_life=st.sampled_from([None, 1, 2, 5, 40]),
+       resolution=st.sampled_from([1, 4]), fail_mask=st.lists(st.booleans(), min_size=40, max_size=40))
+def test_victims_equal_a_full_scan_of_the_rule(trace, extra_slots, half_life, resolution, fail_mask):
+    """The lazy heap (hits push nothing; stale entries are re-ranked when popped) evicts exactly the key a
+    full scan of the resident keys picks, for LRU and for LFU/LRU at several half-lives."""
+    n_slots = max(len(step) for step in trace) + extra_slots
+    policy = LruPolicy(n_slots) if half_life is None else LfuLruPolicy(n_slots, half_life, resolution)
+    reference = ScanReference(n_slots, half_life, resolution)
+    for index, step in enumerate(trace):
+        plan = policy.acquire(step)
+        assert [tuple(a) for a in plan.assignments] == reference.acquire(step)
+        if fail_mask[index] and plan.loads:
+            policy.abandon(plan.loads[-1].key)
+            reference.abandon(plan.loads[-1].key)
+    assert policy.resident() == reference.resident
 
 
 @settings(max_examples=150, deadline=None)
