@@ -49,8 +49,9 @@ class ProviderCounters:
     lookahead_hits: int = 0     # ... and how many of them were predicted (accuracy = hits / keys)
     prefetch_reads: int = 0     # lookahead reads started (predicted, in neither the pool nor the RAM tier)
     prefetch_used: int = 0      # slot-pool misses served by a lookahead read (no read on the critical path)
-    prefetch_wasted: int = 0    # lookahead reads the layer did not ask for ...
+    prefetch_wasted: int = 0    # lookahead reads the layer did not ask for, (partly) read ...
     prefetch_wasted_bytes: int = 0  # ... and their bytes (also in pack_read_bytes)
+    prefetch_cancelled: int = 0  # lookahead reads the layer did not ask for, cancelled before any piece ran
 
     @property
     def lookups(self) -> int:
@@ -178,19 +179,17 @@ class StatsFlusher:
         self.every_acquires = every_acquires
         self.writes = 0
         self._lock = threading.Lock()
-        self._flushed_at = 0  # the acquires count of the last write
+        self._calls = 0  # maybe_flush calls since the last write (one per acquire; a snapshot costs more)
 
     def maybe_flush(self) -> bool:
-        """Write if ``every_acquires`` acquires have passed since the last write; True if it wrote."""
+        """Write if this is the ``every_acquires``-th call since the last write; True if it wrote."""
         if self.path is None:
             return False
         with self._lock:
-            snapshot = self.counters.snapshot()
-            if snapshot.acquires < self._flushed_at:  # the counters were reset since the last write
-                self._flushed_at = 0
-            if snapshot.acquires - self._flushed_at < self.every_acquires:
+            self._calls += 1
+            if self._calls < self.every_acquires:
                 return False
-            self._write(snapshot)
+            self._write(self.counters.snapshot())
             return True
 
     def flush(self) -> bool:
@@ -203,5 +202,5 @@ class StatsFlusher:
 
     def _write(self, snapshot: ProviderCounters) -> None:
         write_text_atomically(self.path, snapshot.to_json() + "\n")
-        self._flushed_at = snapshot.acquires
+        self._calls = 0
         self.writes += 1

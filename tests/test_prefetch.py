@@ -61,7 +61,7 @@ def test_prefetch_keeps_logits_bit_exact(preset, n_ubatch, source, models, vanil
     # the lookahead ran and was used: predictions were made and some misses were read ahead of their layer
     assert stats["lookahead_keys"] > 0 and 0 < stats["lookahead_hits"] <= stats["lookahead_keys"]
     assert 0 < stats["prefetch_used"] <= stats["cache_misses"]
-    assert stats["prefetch_used"] + stats["prefetch_wasted"] <= stats["prefetch_reads"]
+    assert stats["prefetch_used"] + stats["prefetch_wasted"] + stats["prefetch_cancelled"] <= stats["prefetch_reads"]
     if source == "pack":  # every miss read once (on demand or ahead), plus the wasted lookahead reads
         assert stats["pack_read_bytes"] == stats["cache_misses"] * stride_of(pack) + stats["prefetch_wasted_bytes"]
     print(f"\n{preset} ub{n_ubatch} {source}: lookahead accuracy {stats['lookahead_accuracy']:.2f}, "
@@ -110,35 +110,58 @@ class Handle:
 def test_demand_reads_start_before_queued_prefetch_reads():
     log: list = []
     pool = ReadPool(Handle, n_threads=2, max_prefetch=1)
+    gates = []
     try:
-        blocker = Gate(log, "demand-blocker")
-        pool.submit(blocker)
-        assert blocker.started.wait(5)
         prefetch_running = Gate(log, "prefetch-1")
+        gates.append(prefetch_running)
         pool.submit_prefetch(prefetch_running)
-        assert prefetch_running.started.wait(5)  # the one prefetch thread is taken
+        assert prefetch_running.started.wait(5)  # an idle disk: the prefetch read starts, on its one thread
         queued = [Gate(log, f"prefetch-{i}") for i in (2, 3)]
+        gates += queued
         queued_futures = [pool.submit_prefetch(g) for g in queued]
-        late_demand = Gate(log, "demand-late")
-        demand_future = pool.submit(late_demand)
-        time.sleep(0.2)
-        assert not late_demand.started.is_set()  # both threads busy: nothing preempted
-        blocker.release.set()  # a thread frees up: the demand read goes first, though queued last
-        assert late_demand.started.wait(5)
-        assert not any(g.started.is_set() for g in queued)  # and prefetch stays within its one thread
-        assert pool.promote(queued_futures[1]) and not pool.promote(demand_future)
-        late_demand.release.set()
-        assert queued[1].started.wait(5)  # promoted: ran on a demand thread, before prefetch-2
+        demand = Gate(log, "demand")
+        gates.append(demand)
+        demand_future = pool.submit(demand)
+        assert demand.started.wait(5)  # a demand read never waits for a thread behind prefetch reads
         prefetch_running.release.set()
-        for g in queued:
-            g.release.set()
+        time.sleep(0.2)
+        assert not any(g.started.is_set() for g in queued)  # a demand read runs: no prefetch read starts
+        assert pool.promote(queued_futures[1]) and not pool.promote(demand_future)
+        assert queued[1].started.wait(5)  # promoted: a demand read now, on the free thread
+        demand.release.set()
+        queued[1].release.set()
+        assert queued[0].started.wait(5)  # no demand read left: prefetch-2 starts
+        queued[0].release.set()
         for f in queued_futures + [demand_future]:
             f.result(timeout=5)
-        assert log.index("demand-late") < log.index("prefetch-3") < log.index("prefetch-2")
+        assert log == ["prefetch-1", "demand", "prefetch-3", "prefetch-2"]
     finally:
-        for g in [blocker, prefetch_running, late_demand, *queued]:
+        for g in gates:
             g.release.set()
         pool.close()
+
+
+def test_prefetch_reads_wait_while_a_demand_read_runs_and_queued_ones_can_be_cancelled():
+    log: list = []
+    pool = ReadPool(Handle, n_threads=3, max_prefetch=2)
+    demand, prefetch = Gate(log, "demand"), Gate(log, "prefetch")
+    try:
+        pool.submit(demand)
+        assert demand.started.wait(5)
+        future = pool.submit_prefetch(prefetch)
+        unwanted = pool.submit_prefetch(Gate(log, "unwanted"))
+        time.sleep(0.2)
+        assert not prefetch.started.is_set()  # two threads idle, but the disk serves a demand read
+        assert unwanted.cancel()  # a wrong guess's read still queued is cancelled: it never runs
+        demand.release.set()
+        assert prefetch.started.wait(5)  # the disk is idle now: it starts
+        prefetch.release.set()
+        future.result(timeout=5)
+    finally:
+        demand.release.set()
+        prefetch.release.set()
+        pool.close()
+    assert log == ["demand", "prefetch"]
 
 
 def test_prefetch_threads_are_bounded_and_errors_reach_the_future():
@@ -178,6 +201,7 @@ def test_book_never_frees_a_buffer_a_read_may_still_write():
     assert {a, b} == {10, 11} and book.free_buffer() is None
     book.add((3, 1), a, [running])
     book.add((3, 2), b, [finished])
+    running.set_running_or_notify_cancel()  # its read has started: retiring cannot cancel it
     assert book.retire_layer(3, requested={(3, 2)}) == 1  # (3, 1) was a wrong guess
     assert (3, 1) not in book and (3, 2) in book
     assert book.reclaim() == [] and book.free_buffer() is None  # its read still runs
@@ -187,3 +211,7 @@ def test_book_never_frees_a_buffer_a_read_may_still_write():
     assert taken.buffer == b and taken.succeeded() and book.take((3, 2)) is None
     book.release(b)
     assert book.free_buffer() == b
+    queued = Future()
+    book.add((4, 7), b, [queued])
+    assert book.retire_layer(4, requested=set()) == 1 and queued.cancelled()  # never started: cancelled
+    assert [e.key for e in book.reclaim()] == [(4, 7)] and book.free_buffer() == b

@@ -8,7 +8,7 @@ copies from that buffer, so a good guess moves the SSD read off the critical pat
 read, never correctness: the slots are only ever written, as before, for the router's real choice.
 
 Entries of the acquired layer that the step did not ask for are wrong guesses: ``retire_layer`` moves them
-aside, and ``reclaim`` gives their buffers back once their reads are done (a buffer is never handed out
+aside and cancels their pieces still queued, and ``reclaim`` gives their buffers back once their reads are done (a buffer is never handed out
 while a read may still write it).
 """
 from __future__ import annotations
@@ -63,10 +63,14 @@ class PrefetchBook:
         self._free.append(buffer)
 
     def retire_layer(self, layer: int, requested: set[Key]) -> int:
-        """Set aside the entries of ``layer`` not in ``requested`` (wrong guesses); returns how many."""
+        """Set aside the entries of ``layer`` not in ``requested`` (wrong guesses) and cancel their pieces not
+        started yet; returns how many."""
         wrong = [key for key in self._entries if key[0] == layer and key not in requested]
         for key in wrong:
-            self._retired.append(self._entries.pop(key))
+            entry = self._entries.pop(key)
+            for piece in entry.pieces:
+                piece.cancel()  # False for a piece running or done: that one finishes, then reclaim frees it
+            self._retired.append(entry)
         return len(wrong)
 
     def reclaim(self) -> list[PrefetchEntry]:

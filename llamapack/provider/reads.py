@@ -2,7 +2,7 @@
 
 A source splits one expert read into pieces (byte ranges of the staging block) that any read thread can
 fill through its own handle. ``PackSource``: a pack block is one contiguous, aligned file range, so it
-splits into ``read_splits`` aligned sub-reads. ``GgufSource``: one piece, the whole expert, read by a
+splits into ``read_splits`` aligned sub-reads (``prefetch_pieces``: smaller ones for lookahead reads). ``GgufSource``: one piece, the whole expert, read by a
 ``GgufDirectReader`` (its roles lie apart in the GGUF and go through the reader's scratch buffer, so they
 are not split). ``ReadPool`` runs pieces on a few threads, each with its own handle, demand reads first.
 """
@@ -18,6 +18,16 @@ import numpy as np
 from ..pack import ALIGNMENT, DirectFile, GgufDirectReader, PackReader, aligned_buffer
 from ..pack.layout import align_up
 from ..pack.odirect import ReadFn
+
+
+# a lookahead read is split in pieces of at most this (pack mode): a demand read that arrives while lookahead
+# reads run shares the disk with their pieces in flight only (prefetch_slots of them at most)
+PREFETCH_PIECE_BYTES = 512 << 10
+
+
+def split_range(length: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    """(start, end) pieces of ``chunk`` bytes (the last one shorter) covering ``[0, length)``."""
+    return tuple((start, min(start + chunk, length)) for start in range(0, length, chunk))
 
 
 def probe_direct_io(paths, direct_io: bool, read_fn: ReadFn | None) -> None:
@@ -39,8 +49,8 @@ class PackSource:
         self.verify_sha256 = verify_sha256
         self._open_args = dict(direct_io=direct_io, read_fn=read_fn)
         stride = self.layout.expert_stride
-        chunk = align_up(-(-stride // splits))
-        self.pieces = tuple((start, min(start + chunk, stride)) for start in range(0, stride, chunk))
+        self.pieces = split_range(stride, align_up(-(-stride // splits)))
+        self.prefetch_pieces = split_range(stride, min(align_up(-(-stride // splits)), PREFETCH_PIECE_BYTES))
 
     def open_handle(self) -> DirectFile:
         return DirectFile(self.reader.pack_path, **self._open_args)
@@ -57,6 +67,9 @@ class PackSource:
     def read_nbytes(self, layer: int, expert: int) -> int:
         return self.layout.expert_stride
 
+    def piece_nbytes(self, layer: int, expert: int, start: int, end: int) -> int:
+        return end - start
+
     def close(self) -> None:
         self.reader.close()
 
@@ -68,7 +81,7 @@ class GgufSource:
         self.reader, self.layout = reader, reader.layout
         self.paths = tuple(reader.model.paths)
         self._open_args = dict(direct_io=direct_io, read_fn=read_fn)
-        self.pieces = ((0, self.layout.expert_stride),)
+        self.pieces = self.prefetch_pieces = ((0, self.layout.expert_stride),)
 
     def open_handle(self) -> GgufDirectReader:
         return GgufDirectReader(self.reader.model, **self._open_args)
@@ -83,6 +96,9 @@ class GgufSource:
     def read_nbytes(self, layer: int, expert: int) -> int:
         """The aligned ranges O_DIRECT transfers for the expert's roles (payload plus alignment slack)."""
         return sum(read.length for read in self.reader.plan(layer, expert))
+
+    def piece_nbytes(self, layer: int, expert: int, start: int, end: int) -> int:
+        return self.read_nbytes(layer, expert)  # one piece: the whole expert
 
     def close(self) -> None:
         self.reader.close()
@@ -104,10 +120,13 @@ def open_source(reader, *, direct_io: bool, read_fn: ReadFn | None, read_splits:
 class ReadPool:
     """``n_threads`` threads, each with a handle of its own; ``submit(fn, *args)`` runs ``fn(handle, *args)``.
 
-    Two queues: demand reads (``submit``) always start before queued prefetch reads (``submit_prefetch``), and
-    prefetch reads never hold more than ``max_prefetch`` threads at once, so ``n_threads - max_prefetch``
-    threads are always there for demand reads. ``promote(future)`` moves a queued prefetch read to the demand
-    queue (it became needed now). A running read is never preempted.
+    Two queues: demand reads (``submit``) always start before queued prefetch reads (``submit_prefetch``). A
+    prefetch read starts only while the disk has no demand read, queued or running (it uses idle time only,
+    never bandwidth a demand read could use), and prefetch reads never hold more than ``max_prefetch``
+    threads at once, so ``n_threads - max_prefetch`` threads are always there for demand reads. A demand read
+    that arrives while prefetch reads run shares the disk only with those (keep their pieces small).
+    ``promote(future)`` moves a queued prefetch read to the demand queue (it became needed now). A running
+    read is never preempted; a queued one can be cancelled through its future.
     """
 
     def __init__(self, open_handle: Callable[[], object], n_threads: int, max_prefetch: int = 0):
@@ -118,6 +137,7 @@ class ReadPool:
         self._demand: deque = deque()    # (future, fn, args)
         self._prefetch: deque = deque()
         self._running_prefetch = 0
+        self._running_demand = 0
         self._closing = False
         self._handles: list = []
         self._threads: list[threading.Thread] = []
@@ -168,8 +188,9 @@ class ReadPool:
                 if self._closing:
                     return None
                 if self._demand:
+                    self._running_demand += 1
                     return self._demand.popleft(), False
-                if self._prefetch and self._running_prefetch < self._max_prefetch:
+                if self._prefetch and self._running_prefetch < self._max_prefetch and not self._running_demand:
                     self._running_prefetch += 1
                     return self._prefetch.popleft(), True
                 self._cond.wait()
@@ -186,10 +207,13 @@ class ReadPool:
                     else:
                         future.set_result(None)
             finally:
-                if is_prefetch:
-                    with self._cond:
+                with self._cond:
+                    if is_prefetch:
                         self._running_prefetch -= 1
-                        self._cond.notify_all()
+                    else:
+                        self._running_demand -= 1
+                    if self._prefetch:
+                        self._cond.notify_all()  # a prefetch read may start now
 
     def close(self) -> None:
         """Cancel the queued reads, wait for the running ones, stop the threads, close the handles; idempotent."""

@@ -20,9 +20,10 @@ replace the staging buffers as read targets. A pool miss whose expert is in a RA
 abandoned read also frees its RAM block (mapped to no expert); a hung read's block gets fresh memory.
 
 With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquire) with a guess at the next
-layer's experts; their reads start in buffers of their own (prefetch.PrefetchBook) at prefetch priority, and
-the next acquire waits only for what is still being read (the read is promoted to demand priority) and
-copies from those buffers. A failed lookahead read that the next layer needs fails that acquire like any
+layer's experts; their reads start in buffers of their own (prefetch.PrefetchBook) at prefetch priority
+(only while no demand read is queued or running, in small pieces), and the next acquire waits only for
+what is still being read (promoted to demand priority) and copies from those buffers; the reads of wrong
+guesses that have not started yet are cancelled. A failed lookahead read that the next layer needs fails that acquire like any
 demand read; one it does not need is dropped. Lookahead experts bypass the RAM tier.
 """
 from __future__ import annotations
@@ -99,7 +100,7 @@ class StreamingProvider:
             self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead guessed for it
             n_pieces = len(self._source.pieces)
             n_threads = min(settings.stage_slots * n_pieces, MAX_READ_THREADS)
-            n_prefetch_threads = min(n_lookahead * n_pieces, MAX_READ_THREADS)
+            n_prefetch_threads = min(n_lookahead, MAX_READ_THREADS)  # a piece in flight per lookahead buffer
             self._reads = ReadPool(self._source.open_handle, n_threads + n_prefetch_threads,
                                    max_prefetch=n_prefetch_threads)
             n_buffers += n_lookahead
@@ -162,17 +163,23 @@ class StreamingProvider:
             self.counters.add(prefetch_reads=1)
 
     def _count_wasted(self, entry: PrefetchEntry) -> None:
-        """A lookahead read nobody used: its bytes, or the I/O error it hit (counted; nothing computed on it)."""
-        nbytes = self._source.read_nbytes(*entry.key) if entry.succeeded() else 0
+        """A lookahead read nobody used: cancelled before it started, or the bytes of its pieces that ran, or
+        the I/O error it hit (counted; nothing computed on it)."""
+        ran = [(piece, span) for piece, span in zip(entry.pieces, self._source.prefetch_pieces) if not piece.cancelled()]
+        if not ran:
+            self.counters.add(prefetch_cancelled=1)
+            return
+        nbytes = sum(self._source.piece_nbytes(*entry.key, *span) for piece, span in ran if piece.exception() is None)
         self.counters.add(prefetch_wasted=1, prefetch_wasted_bytes=nbytes, pack_read_bytes=nbytes)
-        failure = next((p.exception() for p in entry.pieces if not p.cancelled() and p.exception()), None)
+        failure = next((piece.exception() for piece, _ in ran if piece.exception()), None)
         if failure is not None:
             self.counters.record_io_error()
             log.warning("an unused lookahead read of layer %d expert %d failed: %s", *entry.key, failure)
 
     def acquire(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
         """Make every expert in ``expert_ids`` of ``layer`` resident; return their slot ids (copies complete)."""
-        experts = list(dict.fromkeys(expert_ids.tolist()))
+        ids = expert_ids.tolist()
+        experts = list(dict.fromkeys(ids))
         plan = self.policy.acquire([(layer, expert) for expert in experts])
         tokens = len(expert_ids) // self.n_expert_used if layer == self._first_layer else 0
         self.counters.record_acquire(plan.hits, plan.misses, len(plan.evictions), tokens=tokens)
@@ -186,10 +193,8 @@ class StreamingProvider:
                 self._load(plan.loads)
         finally:
             self._write_stats()
-        slot_of = np.full(max(experts) + 1, -1, dtype=np.int32)
-        for assignment in plan.assignments:
-            slot_of[assignment.key[1]] = assignment.slot
-        return slot_of[expert_ids]
+        slot_of = {key[1]: slot for key, slot, _ in plan.assignments}
+        return np.array([slot_of[expert] for expert in ids], dtype=np.int32)
 
     def _load(self, loads: tuple[SlotAssignment, ...]) -> None:
         """Read the misses, at most ``stage_slots`` at once, and copy each into its slot as soon as it is read.
@@ -302,7 +307,8 @@ class StreamingProvider:
     def _start_read(self, key: tuple[int, int], buffer: int, prefetch: bool = False) -> list[futures.Future]:
         target = self._copier.buffers[buffer]  # bound now: memory replaced after a timeout is never written
         submit = self._reads.submit_prefetch if prefetch else self._reads.submit
-        return [submit(self._read_piece, key, buffer, target, start, end) for start, end in self._source.pieces]
+        pieces = self._source.prefetch_pieces if prefetch else self._source.pieces
+        return [submit(self._read_piece, key, buffer, target, start, end) for start, end in pieces]
 
     def _read_piece(self, handle, key: tuple[int, int], buffer: int, target, start: int, end: int) -> None:
         self._copier.wait_until_free(buffer)  # its previous block's copy has finished
