@@ -5,7 +5,7 @@
 #   run(command="bash bench/device_bench.sh prepare", carry=[".devtree", ".whl"])  # build, bit-exact, model, pack
 #   run(command="bash bench/device_bench.sh bench", carry=[".devtree", ".whl"])    # the side-by-side runs
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh prefetch", ...)   # #9: build, bit-exact, model
-#   then bench with PREFETCH=1 (adds the +prefetch runs)
+#   then bench with PREFETCH=1 (adds the +prefetch runs); TEMPERATURE=1 samples instead of greedy decoding
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -48,10 +48,12 @@ prefetch)  # issue #9: build, CUDA bit-exact with router lookahead, and the mode
     wait $synth
     tail -3 "$out/synth.log"
     ;;
-bench)
-    lp bench "$model" -o "$out/bench" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+bench)  # TAG: results as $OUT/bench-TAG.{md,json} (the report is kept in $WORK; at most 8 files come back)
+    results="$work/bench${TAG:+-$TAG}"
+    lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
-        --decode-cap-s "${DECODE_CAP_S:-20}" ${RAM_TIER:+--ram-tier} ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} ${CONFIGS:+--configs $CONFIGS} 2>&1
-    cp "$out/bench/bench.md" "$out/bench/bench.json" "$out/bench/bench.png" "$out/" 2>/dev/null
+        --decode-cap-s "${DECODE_CAP_S:-20}" --temperature "${TEMPERATURE:-0}" ${RAM_TIER:+--ram-tier} \
+        ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} ${CONFIGS:+--configs $CONFIGS} 2>&1
+    for ext in md json; do cp "$results/bench.$ext" "$out/bench${TAG:+-$TAG}.$ext" 2>/dev/null; done
     ;;
 esac

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from llamapack.bench.cgroup import MemoryCage
@@ -139,6 +140,16 @@ def test_memory_cage_without_a_memory_controller_says_so(tmp_path):
         MemoryCage(1 << 30, root=tmp_path).__enter__()
 
 
+def test_sampling_is_greedy_at_zero_and_reproducible_above():
+    from llamapack.bench.worker import next_token
+
+    logits = np.array([0.0, 3.0, 1.0, 2.9], dtype=np.float32)
+    assert next_token(logits, 0.0, np.random.default_rng(0)) == 1
+    draws = [next_token(logits, 1.0, np.random.default_rng(seed)) for seed in range(40)]
+    assert draws == [next_token(logits, 1.0, np.random.default_rng(seed)) for seed in range(40)]
+    assert {1, 3} <= set(draws) and set(draws) <= {0, 1, 2, 3}  # sampled, not argmax
+
+
 def test_disk_probe_reads_whole_blocks(tmp_path):
     path = tmp_path / "blocks.bin"
     path.write_bytes(os.urandom(16 * 65536))
@@ -157,7 +168,7 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", "12", "--prompt-lengths",
-         "8,40", "--decode-cap-s", "30", "-ub", "1", "--prefetch", "--configs",
+         "8,40", "--decode-cap-s", "30", "-ub", "1", "--prefetch", "--temperature", "1.0", "--configs",
          "vanilla,pack-100%,pack-25%,pack-25%+prefetch,gguf-direct-50%"],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -170,5 +181,8 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     assert rows["pack-25%"]["read_bytes_per_token"] > 0 and rows["pack-25%"]["hit_rate"] < 1
     assert data["disk"]["reads"] > 0 and data["runs"][2]["provider"]["n_slots"] == 6  # 25% of 3 x 8 experts
     assert rows["pack-25%+prefetch"]["lookahead"]["used"] > 0  # the lookahead ran and read misses ahead
+    sampled = [[r["tokens"] for r in run["requests"]] for run in data["runs"]]
+    assert all(tokens == sampled[0] for tokens in sampled)  # same logits, same seeds: the same sampled tokens
+    assert "sampled at temperature 1" in (out / "bench.md").read_text()
     assert "| pack-25% |" in (out / "bench.md").read_text()
     assert "| pack-25%+prefetch | " in (out / "bench.md").read_text().split("## Router lookahead")[1]

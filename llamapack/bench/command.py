@@ -48,13 +48,17 @@ def has_gpu() -> bool:
 @click.option("-n", "--n-decode", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--decode-cap-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="A request stops decoding after this many seconds (slow runs still give a rate).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0: greedy decode. Above 0: sample from softmax(logits / T) with a fixed seed per request, so runs "
+                   "with identical logits decode identical tokens (a random-weights model's greedy decode loops, "
+                   "which flatters the cache).")
 @click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--vanilla-lib", type=click.Path(file_okay=False), help="Folder of an unpatched libllama for vanilla runs.")
 @click.option("--patched-lib", type=click.Path(file_okay=False), help="Folder of the patched libllama for pack runs.")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops,
-                  prompt_lengths, n_decode, decode_cap_s, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
+                  prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
                             gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch,
@@ -69,7 +73,7 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_g
         return
     plan = BenchPlan(model=model, out_dir=out_dir, configs=tuple(configs), pack=pack,
                      prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
-                     n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
+                     temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
                      vanilla_lib=vanilla_lib, patched_lib=patched_lib,
                      command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
     run_bench(plan, echo=lambda line: click.echo(line, err=True))

@@ -80,7 +80,7 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
                          misses_read_ahead=counters["prefetch_used"] / max(counters.get("cache_misses", 0), 1),
                          wasted_bytes_per_token=counters["prefetch_wasted_bytes"] / decoded,
                          reads=counters["prefetch_reads"], used=counters["prefetch_used"],
-                         wasted=counters["prefetch_wasted"])
+                         wasted=counters["prefetch_wasted"], cancelled=counters.get("prefetch_cancelled", 0))
     exact = "reference" if run["config"].get("reference") else (
         compare_digests(run, reference) if reference is not None and "error" not in reference else "n/a")
     return RunSummary(
@@ -123,6 +123,11 @@ def ratios(rows: list[RunSummary]) -> list[dict]:
     return out
 
 
+def _workload_kind(workload: dict) -> str:
+    temperature = workload.get("temperature") or 0.0
+    return "greedy" if temperature == 0 else f"sampled at temperature {temperature:g} (seeded)"
+
+
 def _f(value, spec: str = ".2f", scale: float = 1.0) -> str:
     return "–" if value is None else format(value * scale, spec)
 
@@ -140,7 +145,7 @@ def markdown(results: dict) -> str:
              f"{results['model']['expert_stride'] / MIB:.2f} MiB each)",
              f"Disk: {_f(disk.get('gb_per_s'))} GB/s (O_DIRECT random reads of one expert block, "
              f"{disk.get('threads')} at once, {_f(disk.get('seconds'), '.1f')} s)",
-             f"Workload: greedy, prompts of {', '.join(map(str, lengths))} tokens, up to "
+             f"Workload: {_workload_kind(results['workload'])}, prompts of {', '.join(map(str, lengths))} tokens, up to "
              f"{results['workload']['n_decode']} tokens each (decode stops after {results['workload']['decode_cap_s']:g} s), "
              f"n_ubatch {results['workload']['n_ubatch']}", "",
              "| run | " + " | ".join(f"prefill {n} tok/s" for n in lengths) + " | TTFT " + f"{lengths[-1]} s"
@@ -165,14 +170,16 @@ def markdown(results: dict) -> str:
     with_lookahead = [row for row in rows if row.ok and row.lookahead]
     if with_lookahead:
         lines += ["", "## Router lookahead (decode)", "",
-                  "| run | decode vs without prefetch | prediction accuracy | misses read ahead | wasted SSD MiB/token |",
-                  "|---|---|---|---|---|"]
+                  "| run | decode vs without prefetch | prediction accuracy | misses read ahead | wasted SSD MiB/token "
+                  "| lookahead reads: used / started / cancelled unread |",
+                  "|---|---|---|---|---|---|"]
         for row in with_lookahead:
             base = by_name.get(re.sub(r"\+prefetch(-top\d+)?", "", row.name))
             speedup = row.decode_tok_s / base.decode_tok_s if base and base.decode_tok_s and row.decode_tok_s else None
             la = row.lookahead
             lines.append(f"| {row.name} | {_f(speedup)}x | {_f(la['accuracy'], '.1%')} | "
-                         f"{_f(la['misses_read_ahead'], '.1%')} | {_f(la['wasted_bytes_per_token'], '.2f', 1 / MIB)} |")
+                         f"{_f(la['misses_read_ahead'], '.1%')} | {_f(la['wasted_bytes_per_token'], '.2f', 1 / MIB)} | "
+                         f"{la['used']} / {la['reads']} / {la.get('cancelled', 0)} |")
     lines += ["", "## Where decode time went (ms per token)", "",
               "| run | waiting on reads | waiting on copies | rest of the provider | lookahead callback | outside the provider |",
               "|---|---|---|---|---|---|"]

@@ -31,6 +31,7 @@ class BenchPlan:
     prompt_lengths: tuple[int, ...] = DEFAULT_PROMPT_LENGTHS
     n_decode: int = 200
     decode_cap_s: float = 60.0            # a request stops decoding after this many seconds
+    temperature: float = 0.0              # 0: greedy; else sampled with a fixed seed (same logits, same tokens)
     n_ctx: int = 1024
     n_ubatch: int = 512
     stage_slots: int = 4
@@ -72,7 +73,7 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
                               expert_bytes=expert_bytes, n_moe_layers=len(layout.layers),
                               n_expert=layout.num_experts, expert_stride=layout.expert_stride),
                    workload=dict(prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode,
-                                 decode_cap_s=plan.decode_cap_s, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch,
+                                 decode_cap_s=plan.decode_cap_s, temperature=plan.temperature, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch,
                                  stage_slots=plan.stage_slots, read_splits=plan.read_splits),
                    runs=[])
     probe_path, first, n_blocks = ((pack_path, layout.data_start, layout.num_blocks) if needs_pack
@@ -107,6 +108,7 @@ def run_config(plan: BenchPlan, config: BenchConfig, expert_bytes: int, n_expert
     spec = dict(config=config.as_dict(), model=plan.model, pack=pack_path, expert_bytes=expert_bytes,
                 n_experts=n_experts,
                 prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode, decode_cap_s=plan.decode_cap_s,
+                temperature=plan.temperature,
                 n_ctx=plan.n_ctx, n_batch=max(plan.n_ubatch, 512), n_ubatch=plan.n_ubatch,
                 stage_slots=plan.stage_slots, read_splits=plan.read_splits)
     spec_path.write_text(json.dumps(spec))

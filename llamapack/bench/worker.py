@@ -4,8 +4,10 @@ A process per configuration because one process loads one libllama (vanilla or p
 LLAMA_CPP_LIB_PATH) and because a memory limit applies to a whole process. Prints one JSON line.
 
 Each prompt is one request from an empty context: evaluate the prompt (prefill; its end is the time to
-first token), then greedy decode one token per eval until ``n_decode`` tokens or ``decode_cap_s``. The
-logits of every step are hashed, so runs that should compute the same bits can be compared exactly.
+first token), then decode one token per eval until ``n_decode`` tokens or ``decode_cap_s``: greedy, or with
+``temperature`` > 0 sampled from softmax(logits / T) by a generator seeded per request, so runs with the
+same logits pick the same tokens. The logits of every step are hashed, so runs that should compute the same
+bits can be compared exactly.
 """
 from __future__ import annotations
 
@@ -57,22 +59,34 @@ def provider_counters(llm) -> dict:
 
 COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "read_wait_s",
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
-                  "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "lookahead_s")
+                  "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
+                  "lookahead_s")
 
 
 def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in COUNTER_DELTAS if k in after}
 
 
-def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float) -> dict:
-    """One greedy request: prefill, then decode; timings, counter deltas per phase and logits digests."""
+def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else a draw from softmax(logits / temperature), in float64."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / temperature
+    weights = np.exp(scaled - scaled.max())
+    return int(rng.choice(len(weights), p=weights / weights.sum()))
+
+
+def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float, temperature: float = 0.0,
+                seed: int = 0) -> dict:
+    """One request: prefill, then decode; timings, counter deltas per phase and logits digests."""
+    rng = np.random.default_rng(seed)
     llm.reset()
     digests = []
     c0 = provider_counters(llm)
     start = time.perf_counter()
     llm.eval(tokens)
     logits = last_logits(llm)
-    token = int(np.argmax(logits))
+    token = next_token(logits, temperature, rng)
     ttft = time.perf_counter() - start
     digests.append(hashlib.sha256(logits.tobytes()).hexdigest()[:16])
     c1 = provider_counters(llm)
@@ -81,7 +95,7 @@ def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float) -> d
     while len(generated) < n_decode and time.perf_counter() - decode_start < decode_cap_s:
         llm.eval([token])
         logits = last_logits(llm)
-        token = int(np.argmax(logits))
+        token = next_token(logits, temperature, rng)
         generated.append(token)
         digests.append(hashlib.sha256(logits.tobytes()).hexdigest()[:16])
     decode_s = time.perf_counter() - decode_start
@@ -98,8 +112,9 @@ def run(spec: dict) -> dict:
     load_s = time.perf_counter() - started
     try:
         requests = []
-        for n_prompt in spec["prompt_lengths"]:
-            requests.append(run_request(llm, prompt_tokens(llm, n_prompt), spec["n_decode"], spec["decode_cap_s"]))
+        for index, n_prompt in enumerate(spec["prompt_lengths"]):
+            requests.append(run_request(llm, prompt_tokens(llm, n_prompt), spec["n_decode"], spec["decode_cap_s"],
+                                        spec.get("temperature", 0.0), seed=index))
         pack = provider_counters(llm)
     finally:
         llm.close()
