@@ -48,12 +48,11 @@ prefetch)  # issue #9: build, CUDA bit-exact with router lookahead, and the mode
     wait $synth
     tail -3 "$out/synth.log"
     ;;
-bench)  # TAG: results as $OUT/bench-TAG.{md,json} (the report is kept in $WORK; at most 8 files come back)
-    results="$work/bench${TAG:+-$TAG}"
+bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
+    results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
         --decode-cap-s "${DECODE_CAP_S:-20}" --temperature "${TEMPERATURE:-0}" ${RAM_TIER:+--ram-tier} \
         ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} ${CONFIGS:+--configs $CONFIGS} 2>&1
-    for ext in md json; do cp "$results/bench.$ext" "$out/bench${TAG:+-$TAG}.$ext" 2>/dev/null; done
     ;;
 esac
