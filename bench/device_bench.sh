@@ -48,6 +48,18 @@ prefetch)  # issue #9: build, CUDA bit-exact with router lookahead, and the mode
     wait $synth
     tail -3 "$out/synth.log"
     ;;
+recheck)  # build, then CUDA bit-exactness of the streaming provider with and without lookahead, and the
+         # provider's per-layer cost on this machine's CPU (bench/provider_overhead.py)
+    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
+    tail -3 "$out/machine.txt"
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_streaming.json" --provider streaming --sources gguf pack --ubatch 1 512 2>&1 | tail -2
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_prefetch.json" --provider streaming --prefetch \
+        --sources gguf pack --ubatch 1 512 2>&1 | tail -2
+    LLAMA_CPP_LIB_PATH="$build/patched" python3 bench/provider_overhead.py --prefetch -n 600 \
+        --out "$out/provider_overhead.json" 2>&1 | tail -2
+    ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
     results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
