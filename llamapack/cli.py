@@ -112,7 +112,7 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | Non
               help="Expert cache size in MiB (GPU memory with -ngl, else host memory).")
 @click.option("--ram-cache-mib", type=click.FloatRange(min=0.0, min_open=True),
               help="Host-RAM tier between the SSD and the expert cache, in MiB.")
-@click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead.")
+@click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
@@ -175,7 +175,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
 @click.option("--ram-cache-mib", type=click.FloatRange(min=0.0, min_open=True),
               help="Host-RAM tier between the SSD and the expert cache, in MiB.")
-@click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead.")
+@click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
           ram_cache_mib: float | None, prefetch: bool) -> None:

@@ -23,8 +23,8 @@ class StreamingSettings:
     the decode (None: wait forever). ``ram_cache_mib``: a host-RAM tier of that many MiB (pinned for a GPU
     pool) holding whole expert blocks between the SSD and the pool (None: no tier; see host_tier).
     ``prefetch``: router lookahead; while a layer computes, read the experts the next layer's router would
-    pick from this layer's input, into ``prefetch_slots`` buffers of their own, at a lower priority than
-    demand reads (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
+    pick from this layer's input, into ``prefetch_slots`` buffers of their own, only while no demand read
+    is queued or running (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
     n_expert_used). Compute always uses the router's real choice.
     """
 
