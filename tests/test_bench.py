@@ -186,3 +186,18 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     assert "sampled at temperature 1" in (out / "bench.md").read_text()
     assert "| pack-25% |" in (out / "bench.md").read_text()
     assert "| pack-25%+prefetch | " in (out / "bench.md").read_text().split("## Router lookahead")[1]
+
+
+def test_provider_overhead_script_measures_an_all_hit_decode(tmp_path):
+    """bench/provider_overhead.py: the pool holds every expert, so the measured window has no misses and the
+    per-acquire time is the provider's own cost."""
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "provider_overhead.py"), "-n", "40", "--prefetch",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["prefetch"] for run in runs] == [False, True]
+    for run in runs:
+        assert run["decode_misses"] == 0 and run["acquires"] == 40 * 4  # qwen3moe-tiny: 4 MoE layers
+        assert run["provide_us_per_acquire"] > 0
+    assert runs[0]["lookahead_us_per_acquire"] == 0 < runs[1]["lookahead_us_per_acquire"]
