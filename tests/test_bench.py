@@ -81,6 +81,16 @@ def results_by_hand():
                 runs=[ref, cpu, pack, ahead, broken])
 
 
+def test_the_io_bound_uses_the_faster_disk_probe():
+    results = results_by_hand()
+    results["disk_after"] = dict(nbytes=1500 << 20, seconds=2.0, gb_per_s=0.79)  # 750 MiB/s, after the runs
+    pack = {row.name: row for row in summaries(results)}["pack-25%@8G"]
+    assert pack.io_bound_tok_s == pytest.approx(7.5) and pack.io_bound_fraction == pytest.approx(2.0 / 7.5)
+    assert "GB/s after (the I/O bound uses the faster)" in markdown(results)
+    results["disk_after"] = dict(nbytes=100 << 20, seconds=2.0, gb_per_s=0.05)  # slower: the first probe counts
+    assert {row.name: row for row in summaries(results)}["pack-25%@8G"].io_bound_tok_s == pytest.approx(5.0)
+
+
 def test_report_arithmetic_on_hand_built_results(tmp_path):
     rows = {row.name: row for row in summaries(results_by_hand())}
     pack = rows["pack-25%@8G"]

@@ -95,10 +95,19 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"), lookahead=lookahead)
 
 
+def probe_bytes_per_s(probe: dict) -> float:
+    return probe.get("nbytes", 0) / max(probe.get("seconds", 0), 1e-9)
+
+
+def disk_bytes_per_s(results: dict) -> float:
+    """The disk's speed for the I/O bound: the faster of the probes before and after the runs (the disk
+    varies; the faster one gives the stricter bound)."""
+    return max(probe_bytes_per_s(results.get(name, {})) for name in ("disk", "disk_after"))
+
+
 def summaries(results: dict) -> list[RunSummary]:
     reference = next((r for r in results["runs"] if r["config"].get("reference")), None)
-    disk = results.get("disk", {}).get("nbytes", 0) / max(results.get("disk", {}).get("seconds", 0), 1e-9)
-    return [summarize(run, reference, disk) for run in results["runs"]]
+    return [summarize(run, reference, disk_bytes_per_s(results)) for run in results["runs"]]
 
 
 def ratios(rows: list[RunSummary]) -> list[dict]:
@@ -143,8 +152,11 @@ def markdown(results: dict) -> str:
              f"Model: {results['model']['size_bytes'] / 1e9:.2f} GB, experts {results['model']['expert_bytes'] / 1e9:.2f} GB "
              f"({results['model']['n_moe_layers']} MoE layers x {results['model']['n_expert']} experts, "
              f"{results['model']['expert_stride'] / MIB:.2f} MiB each)",
-             f"Disk: {_f(disk.get('gb_per_s'))} GB/s (O_DIRECT random reads of one expert block, "
-             f"{disk.get('threads')} at once, {_f(disk.get('seconds'), '.1f')} s)",
+             f"Disk: {_f(disk.get('gb_per_s'))} GB/s before the runs"
+             + (f", {_f(results['disk_after'].get('gb_per_s'))} GB/s after (the I/O bound uses the faster)"
+                if results.get("disk_after") else "")
+             + f" (O_DIRECT random reads of one expert block, {disk.get('threads')} at once, "
+             f"{_f(disk.get('seconds'), '.1f')} s)",
              f"Workload: {_workload_kind(results['workload'])}, prompts of {', '.join(map(str, lengths))} tokens, up to "
              f"{results['workload']['n_decode']} tokens each (decode stops after {results['workload']['decode_cap_s']:g} s), "
              f"n_ubatch {results['workload']['n_ubatch']}", "",

@@ -90,6 +90,11 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
             results["runs"].append(run)
             echo(f"    {summary_line(run)}")
             write_report(results, plan.out_dir)
+    after = random_read_bandwidth(probe_path, layout.expert_stride, first, n_blocks,
+                                  threads=plan.stage_slots * plan.read_splits, seconds=plan.probe_seconds)
+    results["disk_after"] = after.as_dict()
+    echo(f"disk after the runs: {after.bytes_per_s / 1e9:.2f} GB/s")
+    write_report(results, plan.out_dir)
     return results
 
 
