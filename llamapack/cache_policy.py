@@ -145,26 +145,21 @@ class _RankedPolicy:
         wanted = distinct_keys(keys)
         check_step_fits(len(wanted), self.n_slots)
         self._begin_step()
-        slot_of, touch = self._slot_of, self._touch
-        pinned = None
+        pinned = set(wanted)
         assignments, evictions = [], []
         for key in wanted:
-            slot = slot_of.get(key)
-            if slot is not None:
-                self._tick += 1
-                touch(key, self._tick)
-                assignments.append(SlotAssignment(key, slot, True))
-                continue
-            if pinned is None:
-                pinned = set(wanted)
-            slot, eviction = self._claim_slot(pinned)
-            if eviction is not None:
-                evictions.append(eviction)
-            slot_of[key] = slot
+            slot = self._slot_of.get(key)
+            hit = slot is not None
+            if not hit:
+                slot, eviction = self._claim_slot(pinned)
+                if eviction is not None:
+                    evictions.append(eviction)
+                self._slot_of[key] = slot
             self._tick += 1
-            touch(key, self._tick)
-            self._push_candidate(key)
-            assignments.append(SlotAssignment(key, slot, False))
+            self._touch(key, self._tick)
+            if not hit:
+                self._push_candidate(key)  # a hit needs no heap entry: its older one is re-ranked when popped
+            assignments.append(SlotAssignment(key, slot, hit))
         return AcquirePlan(tuple(assignments), tuple(evictions))
 
     def abandon(self, key: Key) -> bool:

@@ -79,10 +79,14 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
     probe_path, first, n_blocks = ((pack_path, layout.data_start, layout.num_blocks) if needs_pack
                                    else (model.paths[0], 0, os.path.getsize(model.paths[0]) // layout.expert_stride))
     echo(f"disk probe: O_DIRECT random {layout.expert_stride / 2**20:.2f} MiB reads of {probe_path}")
-    disk = random_read_bandwidth(probe_path, layout.expert_stride, first, n_blocks,
-                                 threads=plan.stage_slots * plan.read_splits, seconds=plan.probe_seconds)
-    results["disk"] = disk.as_dict()
-    echo(f"disk: {disk.bytes_per_s / 1e9:.2f} GB/s")
+
+    def probe_disk(name: str, when: str) -> None:
+        disk = random_read_bandwidth(probe_path, layout.expert_stride, first, n_blocks,
+                                     threads=plan.stage_slots * plan.read_splits, seconds=plan.probe_seconds)
+        results[name] = disk.as_dict()
+        echo(f"disk {when}: {disk.bytes_per_s / 1e9:.2f} GB/s")
+
+    probe_disk("disk", "before the runs")
     with tempfile.TemporaryDirectory(prefix="llamapack-bench-") as tmp:
         for index, config in enumerate(plan.configs):
             echo(f"[{index + 1}/{len(plan.configs)}] {config.name} ...")
@@ -90,10 +94,7 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
             results["runs"].append(run)
             echo(f"    {summary_line(run)}")
             write_report(results, plan.out_dir)
-    after = random_read_bandwidth(probe_path, layout.expert_stride, first, n_blocks,
-                                  threads=plan.stage_slots * plan.read_splits, seconds=plan.probe_seconds)
-    results["disk_after"] = after.as_dict()
-    echo(f"disk after the runs: {after.bytes_per_s / 1e9:.2f} GB/s")
+    probe_disk("disk_after", "after the runs")
     write_report(results, plan.out_dir)
     return results
 

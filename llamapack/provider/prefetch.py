@@ -8,8 +8,8 @@ copies from that buffer, so a good guess moves the SSD read off the critical pat
 read, never correctness: the slots are only ever written, as before, for the router's real choice.
 
 Entries of the acquired layer that the step did not ask for are wrong guesses: ``retire_layer`` moves them
-aside and cancels their pieces still queued, and ``reclaim`` gives their buffers back once their reads are done (a buffer is never handed out
-while a read may still write it).
+aside and cancels their pieces still queued, and ``reclaim`` gives their buffers back once their reads are
+done (a buffer is never handed out while a read may still write it).
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 A source splits one expert read into pieces (byte ranges of the staging block) that any read thread can
 fill through its own handle. ``PackSource``: a pack block is one contiguous, aligned file range, so it
-splits into ``read_splits`` aligned sub-reads (``prefetch_pieces``: smaller ones for lookahead reads). ``GgufSource``: one piece, the whole expert, read by a
-``GgufDirectReader`` (its roles lie apart in the GGUF and go through the reader's scratch buffer, so they
-are not split). ``ReadPool`` runs pieces on a few threads, each with its own handle, demand reads first.
+splits into ``read_splits`` aligned sub-reads (``prefetch_pieces``: smaller ones for lookahead reads).
+``GgufSource``: one piece, the whole expert, read by a ``GgufDirectReader`` (its roles lie apart in the GGUF
+and go through the reader's scratch buffer, so they are not split). ``ReadPool`` runs pieces on a few threads, each with its own handle, demand reads first.
 """
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ class PackSource:
         self.verify_sha256 = verify_sha256
         self._open_args = dict(direct_io=direct_io, read_fn=read_fn)
         stride = self.layout.expert_stride
-        self.pieces = split_range(stride, align_up(-(-stride // splits)))
-        self.prefetch_pieces = split_range(stride, min(align_up(-(-stride // splits)), PREFETCH_PIECE_BYTES))
+        chunk = align_up(-(-stride // splits))
+        self.pieces = split_range(stride, chunk)
+        self.prefetch_pieces = split_range(stride, min(chunk, PREFETCH_PIECE_BYTES))
 
     def open_handle(self) -> DirectFile:
         return DirectFile(self.reader.pack_path, **self._open_args)

@@ -23,8 +23,8 @@ With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquir
 layer's experts; their reads start in buffers of their own (prefetch.PrefetchBook) at prefetch priority
 (only while no demand read is queued or running, in small pieces), and the next acquire waits only for
 what is still being read (promoted to demand priority) and copies from those buffers; the reads of wrong
-guesses that have not started yet are cancelled. A failed lookahead read that the next layer needs fails that acquire like any
-demand read; one it does not need is dropped. Lookahead experts bypass the RAM tier.
+guesses that have not started yet are cancelled. A failed lookahead read that the next layer needs fails
+that acquire like any demand read; one it does not need is dropped. Lookahead experts bypass the RAM tier.
 """
 from __future__ import annotations
 
@@ -165,11 +165,13 @@ class StreamingProvider:
     def _count_wasted(self, entry: PrefetchEntry) -> None:
         """A lookahead read nobody used: cancelled before it started, or the bytes of its pieces that ran, or
         the I/O error it hit (counted; nothing computed on it)."""
-        ran = [(piece, span) for piece, span in zip(entry.pieces, self._source.prefetch_pieces) if not piece.cancelled()]
+        ran = [(piece, span) for piece, span in zip(entry.pieces, self._source.prefetch_pieces)
+               if not piece.cancelled()]
         if not ran:
             self.counters.add(prefetch_cancelled=1)
             return
-        nbytes = sum(self._source.piece_nbytes(*entry.key, *span) for piece, span in ran if piece.exception() is None)
+        nbytes = sum(self._source.piece_nbytes(*entry.key, *span) for piece, span in ran
+                     if piece.exception() is None)
         self.counters.add(prefetch_wasted=1, prefetch_wasted_bytes=nbytes, pack_read_bytes=nbytes)
         failure = next((piece.exception() for piece, _ in ran if piece.exception()), None)
         if failure is not None:
