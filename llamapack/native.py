@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 2
+EXPECTED_API_VERSION = 3
+MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
 
@@ -146,10 +147,19 @@ def set_provider(ctx, callback) -> None:
         raise NativeError(last_error(ctx))
 
 
-def set_prefetch(ctx, callback) -> None:
-    """Turn router lookahead on with ``callback`` (None: off); graphs built from now on carry it."""
-    if lib().llama_expert_prefetch_set(ctx, ffi.NULL if callback is None else callback, ffi.NULL) != 0:
+def set_prefetch(ctx, callback, depth: int = 1) -> None:
+    """Turn router lookahead on with ``callback`` (None: off), guessing the next ``depth`` served layers;
+    graphs built from now on carry it."""
+    if lib().llama_expert_prefetch_set(ctx, ffi.NULL if callback is None else callback, ffi.NULL, depth) != 0:
         raise NativeError(last_error(ctx))
+
+
+def hook_stats(ctx) -> dict:
+    """Calls and wall seconds inside the provider and prefetch callbacks, timed on libllama's side."""
+    out = ffi.new("struct llama_expert_hook_stats *")
+    lib().llama_expert_hook_stats_get(ctx, out)
+    return dict(provider_calls=out.provider_calls, prefetch_calls=out.prefetch_calls,
+                provider_call_s=out.provider_s, prefetch_call_s=out.prefetch_s)
 
 
 def detach(ctx) -> None:

@@ -29,6 +29,13 @@ typedef int32_t (*llama_expert_provider_fn)(
 typedef void (*llama_expert_prefetch_fn)(
         void * user_data, int32_t layer, const int32_t * expert_ids, int32_t n_expert_used, int32_t n_tokens);
 
+struct llama_expert_hook_stats {
+    int64_t provider_calls;
+    int64_t prefetch_calls;
+    double  provider_s;
+    double  prefetch_s;
+};
+
 struct llama_expert_pool_desc {
     void *           base;
     size_t           size;
@@ -45,7 +52,8 @@ int32_t llama_model_expert_tensor_get(const struct llama_model * model, int32_t 
 int32_t llama_expert_pool_attach(struct llama_context * ctx, const struct llama_expert_pool_desc * desc);
 void *  llama_expert_pool_base(const struct llama_context * ctx);
 int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
-int32_t llama_expert_prefetch_set(struct llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data);
+int32_t llama_expert_prefetch_set(struct llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data, int32_t depth);
+int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 void    llama_expert_detach(struct llama_context * ctx);
 const char * llama_expert_last_error(const struct llama_context * ctx);
 """

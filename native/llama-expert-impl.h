@@ -39,7 +39,7 @@ struct llama_expert_remap {
     ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
 };
 
-// ffn_input [n_embd, n_tokens]: the router's input, used only for the next layer's lookahead prediction
+// ffn_input [n_embd, n_tokens]: the router's input, used only for the lookahead's guesses at later layers
 llama_expert_remap llama_expert_remap_build(
         llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * ffn_input,
         std::initializer_list<ggml_tensor *> expert_weights);

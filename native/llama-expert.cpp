@@ -13,6 +13,7 @@
 #include "ggml.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -21,6 +22,10 @@
 #include <vector>
 
 static std::atomic<bool> g_lazy_load{false};
+
+static double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 // per model: the routed-expert tensors in a stable order (the index the C API uses)
 struct llama_expert_model_info {
@@ -31,15 +36,20 @@ struct llama_expert_model_info {
 
 struct llama_expert_hook;
 
+// a layer whose experts a lookahead guesses, and its router (logits weight, optional bias)
+struct llama_expert_lookahead_target {
+    int32_t       layer;
+    ggml_tensor * router;
+    ggml_tensor * router_b;
+};
+
 // userdata of one layer's remap op
 struct llama_expert_layer_binding {
     llama_expert_hook * hook;
     int32_t layer;
     int32_t n_expert;
-    // lookahead: the next layer's router when that layer is served by the pool too, else null
-    int32_t       next_layer    = -1;
-    ggml_tensor * next_router   = nullptr;
-    ggml_tensor * next_router_b = nullptr;
+    // lookahead: the routers of the next served layers, nearest first (up to LLAMA_EXPERT_MAX_LOOKAHEAD)
+    std::vector<llama_expert_lookahead_target> ahead;
 };
 
 struct llama_expert_hook {
@@ -58,6 +68,10 @@ struct llama_expert_hook {
     void *                   provider_data = nullptr;
     llama_expert_prefetch_fn prefetch = nullptr;
     void *                   prefetch_data = nullptr;
+    int32_t                  prefetch_depth = 1;
+
+    // wall time spent in the callbacks, measured on this side (remap ops run on one thread, one at a time)
+    llama_expert_hook_stats stats = {};
 
     // the user's abort callback, chained behind ours
     ggml_abort_callback user_abort = nullptr;
@@ -223,8 +237,11 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
     }
 
+    const auto provider_start = std::chrono::steady_clock::now();
     const int32_t rc = hook->provider(hook->provider_data, b->layer, hook->scratch_ids.data(), n_used, n_tokens,
                                       hook->scratch_slots.data());
+    hook->stats.provider_calls++;
+    hook->stats.provider_s += seconds_since(provider_start);
     if (rc != 0) {
         hook->set_error("layer " + std::to_string(b->layer) + ": expert provider failed (code " + std::to_string(rc) + ")");
         hook->failed = true;
@@ -243,8 +260,9 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         out[i] = s;
     }
 
-    const ggml_tensor * predicted = dst->src[1]; // [n_used, n_tokens] top-k of the next layer's router
-    if (predicted != nullptr && hook->prefetch != nullptr) {
+    // lookahead: src[1 + d] is the top-k of the router of b->ahead[d] applied to this layer's FFN input
+    for (int32_t d = 0; hook->prefetch != nullptr && d < GGML_MAX_SRC - 1 && dst->src[1 + d] != nullptr; ++d) {
+        const ggml_tensor * predicted = dst->src[1 + d]; // [n_used, n_tokens]
         hook->scratch_predicted.resize(n);
         for (int32_t t = 0; t < n_tokens; ++t) {
             for (int32_t k = 0; k < n_used; ++k) {
@@ -252,7 +270,10 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
                     *(const int32_t *) ((const char *) predicted->data + t*predicted->nb[1] + k*predicted->nb[0]);
             }
         }
-        hook->prefetch(hook->prefetch_data, b->next_layer, hook->scratch_predicted.data(), n_used, n_tokens);
+        const auto prefetch_start = std::chrono::steady_clock::now();
+        hook->prefetch(hook->prefetch_data, b->ahead[d].layer, hook->scratch_predicted.data(), n_used, n_tokens);
+        hook->stats.prefetch_calls++;
+        hook->stats.prefetch_s += seconds_since(prefetch_start);
     }
 }
 
@@ -274,18 +295,22 @@ llama_expert_remap llama_expert_remap_build(
     if (binding == nullptr) {
         return remap; // this layer's experts are resident: vanilla path
     }
-    ggml_tensor * args[2] = { selected_experts, nullptr };
+    ggml_tensor * args[GGML_MAX_SRC] = { selected_experts };
     int n_args = 1;
-    if (hook->prefetch != nullptr && binding->next_router != nullptr && ffn_input != nullptr &&
-            ffn_input->ne[0] == binding->next_router->ne[0] && ffn_input->ne[1] == selected_experts->ne[1]) {
-        // lookahead: the next layer's router applied to this layer's FFN input (a prediction only)
-        ggml_tensor * logits = ggml_mul_mat(ctx, binding->next_router, ffn_input); // [n_expert, n_tokens]
-        if (binding->next_router_b != nullptr) {
-            logits = ggml_add(ctx, logits, binding->next_router_b);
+    if (hook->prefetch != nullptr && ffn_input != nullptr && ffn_input->ne[1] == selected_experts->ne[1]) {
+        // lookahead: the next served layers' routers applied to this layer's FFN input (predictions only)
+        for (const auto & target : binding->ahead) {
+            if (n_args > hook->prefetch_depth || target.router->ne[0] != ffn_input->ne[0]) {
+                break;
+            }
+            ggml_tensor * logits = ggml_mul_mat(ctx, target.router, ffn_input); // [n_expert, n_tokens]
+            if (target.router_b != nullptr) {
+                logits = ggml_add(ctx, logits, target.router_b);
+            }
+            args[n_args] = ggml_argsort_top_k(ctx, logits, (int) selected_experts->ne[0]); // [n_used, n_tokens]
+            ggml_format_name(args[n_args], "llamapack_lookahead-%d-from-%d", target.layer, binding->layer);
+            n_args++;
         }
-        args[1] = ggml_argsort_top_k(ctx, logits, (int) selected_experts->ne[0]); // [n_used, n_tokens]
-        ggml_format_name(args[1], "llamapack_lookahead-%d", binding->next_layer);
-        n_args = 2;
     }
     remap.hook = hook;
     remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
@@ -452,13 +477,12 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         binding_of[info->weights[i]] = b;
     }
 
+    // each served layer's lookahead targets: the following layers, while they are served and have a router
     for (auto & [layer, b] : binding_by_layer) {
-        auto next = binding_by_layer.find(layer + 1);
-        if (next != binding_by_layer.end() && layer + 1 < (int32_t) model.layers.size() &&
-                model.layers[layer + 1].ffn_gate_inp != nullptr) {
-            b->next_layer    = layer + 1;
-            b->next_router   = model.layers[layer + 1].ffn_gate_inp;
-            b->next_router_b = model.layers[layer + 1].ffn_gate_inp_b;
+        for (int32_t next = layer + 1; next - layer <= LLAMA_EXPERT_MAX_LOOKAHEAD &&
+                next < (int32_t) model.layers.size() && binding_by_layer.count(next) != 0 &&
+                model.layers[next].ffn_gate_inp != nullptr; ++next) {
+            b->ahead.push_back({next, model.layers[next].ffn_gate_inp, model.layers[next].ffn_gate_inp_b});
         }
     }
 
@@ -490,10 +514,16 @@ int32_t llama_expert_provider_set(llama_context * ctx, llama_expert_provider_fn 
     return 0;
 }
 
-int32_t llama_expert_prefetch_set(llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data) {
+int32_t llama_expert_prefetch_set(llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data, int32_t depth) {
     llama_expert_hook * hook = hook_of(ctx);
-    hook->prefetch      = fn;
-    hook->prefetch_data = user_data;
+    if (depth < 1 || depth > LLAMA_EXPERT_MAX_LOOKAHEAD) {
+        hook->set_error("lookahead depth " + std::to_string(depth) + " outside [1, " +
+                        std::to_string(LLAMA_EXPERT_MAX_LOOKAHEAD) + "]");
+        return -1;
+    }
+    hook->prefetch       = fn;
+    hook->prefetch_data  = user_data;
+    hook->prefetch_depth = depth;
     hook->generation++; // the graph gains or loses the lookahead ops
     llama_expert_access::need_reserve(*ctx);
     return 0;
@@ -518,4 +548,10 @@ void llama_expert_detach(llama_context * ctx) {
 const char * llama_expert_last_error(const llama_context * ctx) {
     const llama_expert_hook * hook = ctx->expert_hook.get();
     return hook ? hook->last_error.c_str() : "";
+}
+
+int32_t llama_expert_hook_stats_get(const llama_context * ctx, llama_expert_hook_stats * out) {
+    const llama_expert_hook * hook = ctx->expert_hook.get();
+    *out = hook ? hook->stats : llama_expert_hook_stats{};
+    return 0;
 }

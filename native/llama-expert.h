@@ -37,7 +37,10 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 2
+#define LLAMA_EXPERT_API_VERSION 3
+
+// the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
+#define LLAMA_EXPERT_MAX_LOOKAHEAD 8
 
 enum llama_expert_role {
     LLAMA_EXPERT_ROLE_GATE    = 0,
@@ -77,10 +80,11 @@ typedef int32_t (*llama_expert_provider_fn)(
         void * user_data, int32_t layer, const int32_t * expert_ids,
         int32_t n_expert_used, int32_t n_tokens, int32_t * slot_ids);
 
-// Router lookahead (optional): a guess at the experts of the next served layer, made by applying that
+// Router lookahead (optional): a guess at the experts of a later served layer, made by applying that
 // layer's router (logits, plus its bias when it has one) to this layer's FFN input, top n_expert_used.
-// Called right after this layer's provider call succeeded, with expert_ids [n_tokens][n_expert_used] of
-// `layer` (the next one). Advisory: compute always uses the router's real choice; nothing is returned.
+// Called right after this layer's provider call succeeded, once per guessed layer (the next `depth`
+// served layers, nearest first), with expert_ids [n_tokens][n_expert_used] of `layer` (the guessed one).
+// Advisory: compute always uses the router's real choice; nothing is returned.
 typedef void (*llama_expert_prefetch_fn)(
         void * user_data, int32_t layer, const int32_t * expert_ids, int32_t n_expert_used, int32_t n_tokens);
 
@@ -105,10 +109,21 @@ LLAMA_EXPERT_API int32_t llama_expert_pool_attach(struct llama_context * ctx, co
 // The pool's base address (host or device pointer), NULL when none is attached.
 LLAMA_EXPERT_API void *  llama_expert_pool_base(const struct llama_context * ctx);
 LLAMA_EXPERT_API int32_t llama_expert_provider_set(struct llama_context * ctx, llama_expert_provider_fn fn, void * user_data);
-// fn NULL turns lookahead off. Graphs built while it is on hold one more small matmul and top-k per layer.
-LLAMA_EXPERT_API int32_t llama_expert_prefetch_set(struct llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data);
+// fn NULL turns lookahead off. Graphs built while it is on hold `depth` (1..LLAMA_EXPERT_MAX_LOOKAHEAD)
+// more small matmuls and top-ks per layer: guesses for the next `depth` consecutive served layers.
+LLAMA_EXPERT_API int32_t llama_expert_prefetch_set(
+        struct llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data, int32_t depth);
 // Drops pool and provider. With lazy experts the context then refuses to decode.
 LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);
+// Wall time inside the provider and prefetch callbacks as seen from libllama (since the pool was last
+// attached): the gap to the callbacks' own timing is the cost of entering them (for Python: the GIL).
+struct llama_expert_hook_stats {
+    int64_t provider_calls;
+    int64_t prefetch_calls;
+    double  provider_s;
+    double  prefetch_s;
+};
+LLAMA_EXPERT_API int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.
 LLAMA_EXPERT_API const char * llama_expert_last_error(const struct llama_context * ctx);
 

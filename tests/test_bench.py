@@ -35,6 +35,9 @@ def test_matrix_has_the_side_by_side_runs():
     tops = default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch_tops=(1, 2))
     assert [(c.name, c.prefetch_top) for c in tops[-2:]] == [("pack-25%+prefetch-top1@8G", 1),
                                                              ("pack-25%+prefetch-top2@8G", 2)]
+    variants = default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch_depths=(4,), read_splits=(4,))
+    assert [(c.name, c.prefetch, c.prefetch_depth, c.read_splits) for c in variants[-2:]] == [
+        ("pack-25%+prefetch-d4@8G", True, 4, None), ("pack-25%+split4@8G", False, 1, 4)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -43,7 +46,9 @@ def test_matrix_has_the_side_by_side_runs():
     (dict(vram_fraction=0.5), "vram_fraction"),
     (dict(source="pack", vram_fraction=1.5), "must be in"),
     (dict(source="pack", vram_fraction=0.5, cpu_moe=True), "cpu_moe"),
-    (dict(prefetch=True), "prefetch is a llamapack setting"),
+    (dict(prefetch=True), "prefetch and read_splits are llamapack settings"),
+    (dict(read_splits=4), "prefetch and read_splits are llamapack settings"),
+    (dict(source="pack", vram_fraction=0.5, prefetch=True, prefetch_depth=9), "prefetch_depth must be in"),
 ])
 def test_bad_configs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -68,7 +73,7 @@ def results_by_hand():
     cpu = dict(config=dict(name="cpu-moe@8G"), requests=[request(8, ["a", "x", "y"], 2, 4.0, prefill_s=8.0)])
     pack = dict(config=dict(name="pack-25%@8G"), requests=[request(
         8, ["a", "b"], 1, 0.5, prefill_s=2.0, cache_hits=30, cache_misses=10, pack_read_bytes=100 << 20,
-        provide_s=0.4, read_wait_s=0.3, copy_wait_s=0.05)])
+        provide_s=0.4, read_wait_s=0.3, copy_wait_s=0.05, provider_call_s=0.42)])
     ahead = dict(config=dict(name="pack-25%+prefetch@8G"), requests=[request(
         8, ["a", "b"], 1, 0.25, cache_hits=30, cache_misses=10, pack_read_bytes=110 << 20, provide_s=0.2,
         lookahead_keys=40, lookahead_hits=30, prefetch_reads=12, prefetch_used=8, prefetch_wasted=3,
@@ -98,8 +103,9 @@ def test_report_arithmetic_on_hand_built_results(tmp_path):
     assert pack.read_bytes_per_token == 100 << 20
     assert pack.io_bound_tok_s == pytest.approx(5.0)  # 500 MiB/s over 100 MiB per token
     assert pack.io_bound_fraction == pytest.approx(0.4)
+    # libllama timed 0.42 s in the callback, Python 0.4 s: 0.02 s entering it, taken from "outside"
     assert pack.breakdown == pytest.approx(dict(read_wait_s=0.3, copy_wait_s=0.05, provider_other_s=0.05,
-                                                lookahead_s=0.0, outside_provider_s=0.1))
+                                                lookahead_s=0.0, entering_callbacks_s=0.02, outside_provider_s=0.08))
     assert pack.bit_exact == "yes (2 steps)"
     assert rows["cpu-moe@8G"].bit_exact.startswith("NO (first at request of 8 tokens, step 1)")
     assert rows["vanilla-vram"].bit_exact == "reference" and not rows["gguf-direct-25%@8G"].ok

@@ -79,6 +79,28 @@ def test_prefetch_top_limits_the_guesses_read(models, vanilla, tmp_path):
     assert stats["prefetch_used"] > 0
 
 
+@pytest.mark.parametrize("depth", [2, 8])
+@pytest.mark.parametrize("preset,n_ubatch", [("qwen3moe-tiny", 1), ("qwen3moe-tiny", 7), ("deepseek2-tiny", 1)])
+def test_deeper_lookahead_keeps_logits_bit_exact_and_guesses_each_layer_ahead(preset, n_ubatch, depth, models,
+                                                                              vanilla, tmp_path):
+    from hookutil import logits, smallest_pool
+    from llamapack.synth import PRESETS
+
+    gguf, pack = models[preset]
+    spec = spec_for(gguf, n_ubatch, tmp_path / "p.npy", provider="streaming", n_slots=smallest_pool(preset, n_ubatch),
+                    pack=True, serve_from=str(pack),
+                    streaming=dict(stage_slots=2, prefetch=True, prefetch_slots=8, prefetch_depth=depth))
+    got, stats = logits(spec, tmp_path)
+    assert np.array_equal(got, vanilla(preset, n_ubatch)), f"max |diff| = {np.abs(got - vanilla(preset, n_ubatch)).max()}"
+    # served layers: all but deepseek2-tiny's dense first one. Layer i of n guesses the next min(depth, n-1-i).
+    n_served = PRESETS[preset].n_layer - (1 if preset.startswith("deepseek2") else 0)
+    ubatches, rest = divmod(stats["acquires"], n_served)
+    assert rest == 0 and stats["provider_calls"] == stats["acquires"]
+    assert stats["prefetch_calls"] == ubatches * sum(min(depth, n_served - 1 - i) for i in range(n_served))
+    assert stats["provider_call_s"] >= stats["provide_s"]  # libllama's timing holds the callback's own
+    assert stats["prefetch_depth"] == depth and 0 < stats["prefetch_used"] <= stats["cache_misses"]
+
+
 def test_prefetch_off_adds_no_lookahead(models, vanilla, tmp_path):
     from hookutil import logits
 
@@ -87,6 +109,7 @@ def test_prefetch_off_adds_no_lookahead(models, vanilla, tmp_path):
     got, stats = logits(spec, tmp_path)
     assert np.array_equal(got, vanilla("qwen3moe-tiny", 1))
     assert stats["prefetch_reads"] == stats["lookahead_keys"] == 0 and stats["prefetch_slots"] == 0
+    assert stats["prefetch_calls"] == 0 and stats["provider_calls"] == stats["acquires"]
 
 
 # ---------------------------------------------------------------- read pool priorities

@@ -30,6 +30,8 @@ class BenchConfig:
     ram_fraction: float | None = None
     prefetch: bool = False
     prefetch_top: int | None = None
+    prefetch_depth: int = 1
+    read_splits: int | None = None
     memory_limit_mib: int | None = None
     n_threads: int = 4
     n_gpu_layers: int = 99
@@ -40,10 +42,12 @@ class BenchConfig:
             raise ValueError(f"{self.name}: unknown source {self.source!r}")
         if (self.source == VANILLA) == (self.vram_fraction is not None):
             raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
-        if self.prefetch and self.source == VANILLA:
-            raise ValueError(f"{self.name}: prefetch is a llamapack setting")
+        if (self.prefetch or self.read_splits is not None) and self.source == VANILLA:
+            raise ValueError(f"{self.name}: prefetch and read_splits are llamapack settings")
         if self.cpu_moe and self.source != VANILLA:
             raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
+        if not 1 <= self.prefetch_depth <= 8 or (self.read_splits is not None and self.read_splits < 1):
+            raise ValueError(f"{self.name}: prefetch_depth must be in [1, 8] and read_splits >= 1")
         for field in ("vram_fraction", "ram_fraction"):
             value = getattr(self, field)
             if value is not None and not 0 < value <= 1:
@@ -70,14 +74,16 @@ def percent(fraction: float) -> str:
 
 def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 0.5), *, gpu: bool = True,
                    gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False,
-                   prefetch: bool = False, prefetch_tops=()) -> list[BenchConfig]:
+                   prefetch: bool = False, prefetch_tops=(), prefetch_depths=(), read_splits=()) -> list[BenchConfig]:
     """The side-by-side set, reference first.
 
     ``memory_limit_mib`` None leaves out the limited runs (a machine without cgroup v2). ``full_cache`` adds
     a pack run whose cache holds every expert: no reads, so its gap to the reference is the hook's own cost.
     ``ram_tier`` adds pack runs with a host-RAM tier holding every expert (no limit: the RAM-rich case).
     ``prefetch`` adds, beside each limited pack run, the same run with router lookahead (``+prefetch``), and
-    each r of ``prefetch_tops`` one that prefetches only each token's best r guesses (``+prefetch-top{r}``).
+    each r of ``prefetch_tops`` one that prefetches only each token's best r guesses (``+prefetch-top{r}``),
+    each d of ``prefetch_depths`` one that guesses d layers ahead (``+prefetch-d{d}``), and each n of
+    ``read_splits`` one that reads each expert in n parallel pieces, without prefetch (``+split{n}``).
     Without a GPU (``gpu=False``) the reference runs with repacking off, as a host slot pool does, so that
     its logits can be compared exactly. Under a memory limit the ``--cpu-moe`` run cannot repack (repacking copies every expert into RAM,
     which the limit does not hold): it runs with the experts mmapped, as ``--no-repack`` does.
@@ -96,6 +102,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
             limited.append(BenchConfig(f"pack-{percent(f)}+prefetch", source=PACK, vram_fraction=f, prefetch=True))
         limited += [BenchConfig(f"pack-{percent(f)}+prefetch-top{r}", source=PACK, vram_fraction=f, prefetch=True,
                                 prefetch_top=r) for r in prefetch_tops]
+        limited += [BenchConfig(f"pack-{percent(f)}+prefetch-d{d}", source=PACK, vram_fraction=f, prefetch=True,
+                                prefetch_depth=d) for d in prefetch_depths]
+        limited += [BenchConfig(f"pack-{percent(f)}+split{n}", source=PACK, vram_fraction=f, read_splits=n)
+                    for n in read_splits]
     if gguf_direct:
         limited += [BenchConfig(f"gguf-direct-{percent(f)}", source=GGUF_DIRECT, vram_fraction=f) for f in fractions]
     if memory_limit_mib is not None:

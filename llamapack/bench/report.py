@@ -71,9 +71,13 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
     if decoded and "provide_s" in counters:
         provide, read, copy, ahead = (counters.get(k, 0.0) for k in ("provide_s", "read_wait_s", "copy_wait_s",
                                                                        "lookahead_s"))
+        # libllama's own timing of the callbacks (newer builds): the gap is the cost of entering them (the GIL)
+        in_callbacks = counters.get("provider_call_s", 0.0) + counters.get("prefetch_call_s", 0.0)
+        entering = max(in_callbacks - provide - ahead, 0.0) if in_callbacks else 0.0
         breakdown = {k: v / decoded for k, v in dict(
             read_wait_s=read, copy_wait_s=copy, provider_other_s=max(provide - read - copy, 0.0),
-            lookahead_s=ahead, outside_provider_s=max(decode_s - provide - ahead, 0.0)).items()}
+            lookahead_s=ahead, entering_callbacks_s=entering,
+            outside_provider_s=max(decode_s - provide - ahead - entering, 0.0)).items()}
     lookahead = None
     if counters.get("lookahead_keys") and decoded:
         lookahead = dict(accuracy=counters["lookahead_hits"] / counters["lookahead_keys"],
@@ -186,22 +190,25 @@ def markdown(results: dict) -> str:
                   "| lookahead reads: used / started / cancelled unread |",
                   "|---|---|---|---|---|---|"]
         for row in with_lookahead:
-            base = by_name.get(re.sub(r"\+prefetch(-top\d+)?", "", row.name))
+            base = by_name.get(re.sub(r"\+prefetch(-top\d+|-d\d+)?", "", row.name))
             speedup = row.decode_tok_s / base.decode_tok_s if base and base.decode_tok_s and row.decode_tok_s else None
             la = row.lookahead
             lines.append(f"| {row.name} | {_f(speedup)}x | {_f(la['accuracy'], '.1%')} | "
                          f"{_f(la['misses_read_ahead'], '.1%')} | {_f(la['wasted_bytes_per_token'], '.2f', 1 / MIB)} | "
                          f"{la['used']} / {la['reads']} / {la.get('cancelled', 0)} |")
     lines += ["", "## Where decode time went (ms per token)", "",
-              "| run | waiting on reads | waiting on copies | rest of the provider | lookahead callback | outside the provider |",
-              "|---|---|---|---|---|---|"]
+              "| run | waiting on reads | waiting on copies | rest of the provider | lookahead callback "
+              "| entering the callbacks | outside the provider |",
+              "|---|---|---|---|---|---|---|"]
     for row in rows:
         if row.ok and row.breakdown:
             b = row.breakdown
             lines.append(f"| {row.name} | {b['read_wait_s'] * 1e3:.1f} | {b['copy_wait_s'] * 1e3:.1f} | "
                          f"{b['provider_other_s'] * 1e3:.1f} | {b.get('lookahead_s', 0) * 1e3:.1f} | "
-                         f"{b['outside_provider_s'] * 1e3:.1f} |")
-    lines += ["", "Outside the provider: GPU compute, the router ids' readback to the CPU and llama.cpp's own work "
+                         f"{b.get('entering_callbacks_s', 0) * 1e3:.2f} | {b['outside_provider_s'] * 1e3:.1f} |")
+    lines += ["", "Entering the callbacks: libllama's timing of the provider and lookahead callbacks minus their own "
+              "(Python) timing: cffi's entry and exit and the wait for the GIL while read threads hold it. "
+              "Outside the provider: GPU compute, the router ids' readback to the CPU and llama.cpp's own work "
               "(compare with pack-100%, which reads nothing)."]
     return "\n".join(lines) + "\n"
 

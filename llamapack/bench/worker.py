@@ -43,10 +43,12 @@ def load(spec: dict, config: BenchConfig):
 
     extra = {} if config.ram_fraction is None else dict(ram_cache_mib=config.ram_cache_mib(spec["expert_bytes"]))
     if config.prefetch:
-        extra.update(prefetch=True, prefetch_top=config.prefetch_top)
+        extra.update(prefetch=True, prefetch_top=config.prefetch_top, prefetch_depth=config.prefetch_depth,
+                     prefetch_slots=4 * config.prefetch_depth)
     source = dict(gguf_direct=True) if config.source == "gguf_direct" else dict(pack=spec.get("pack") or True)
+    read_splits = config.read_splits if config.read_splits is not None else spec.get("read_splits", 1)
     return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
-                 stage_slots=spec.get("stage_slots", 4), read_splits=spec.get("read_splits", 1), **extra, **params)
+                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, **extra, **params)
 
 
 def last_logits(llm) -> np.ndarray:
@@ -60,7 +62,7 @@ def provider_counters(llm) -> dict:
 COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "read_wait_s",
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
                   "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
-                  "lookahead_s")
+                  "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s")
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -120,7 +122,7 @@ def run(spec: dict) -> dict:
         llm.close()
     return dict(config=config.as_dict(), load_s=load_s, requests=requests,
                 provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots",
-                                          "prefetch_top") if k in pack},
+                                          "prefetch_top", "prefetch_depth") if k in pack},
                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CapacityError
+from ..native import MAX_LOOKAHEAD
 
 MIB = 1 << 20
 
@@ -25,7 +26,9 @@ class StreamingSettings:
     ``prefetch``: router lookahead; while a layer computes, read the experts the next layer's router would
     pick from this layer's input, into ``prefetch_slots`` buffers of their own, only while no demand read
     is queued or running (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
-    n_expert_used). Compute always uses the router's real choice.
+    n_expert_used); ``prefetch_depth``: guess the next that many served layers (1-8), each from this layer's
+    input, so a read can start that many layers before it is needed. Compute always uses the router's real
+    choice.
     """
 
     cache_vram_mib: float | None = None
@@ -42,11 +45,14 @@ class StreamingSettings:
     prefetch: bool = False
     prefetch_slots: int = 4
     prefetch_top: int | None = None
+    prefetch_depth: int = 1
 
     def __post_init__(self):
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if not 1 <= self.prefetch_depth <= MAX_LOOKAHEAD:
+            raise ValueError(f"prefetch_depth must be in [1, {MAX_LOOKAHEAD}] (got {self.prefetch_depth})")
         if self.cache_vram_mib is not None and self.cache_vram_mib <= 0:
             raise ValueError(f"cache_vram_mib must be > 0 (got {self.cache_vram_mib})")
         if self.ram_cache_mib is not None and not self.ram_cache_mib > 0:

@@ -19,9 +19,10 @@ replace the staging buffers as read targets. A pool miss whose expert is in a RA
 (a RAM hit, no read); any other is read into the RAM block the tier assigns, then copied. A failed or
 abandoned read also frees its RAM block (mapped to no expert); a hung read's block gets fresh memory.
 
-With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquire) with a guess at the next
-layer's experts; their reads start in buffers of their own (prefetch.PrefetchBook) at prefetch priority
-(only while no demand read is queued or running, in small pieces), and the next acquire waits only for
+With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquire) with a guess at each of
+the next ``prefetch_depth`` layers' experts; their reads start in buffers of their own
+(prefetch.PrefetchBook) at prefetch priority (only while no demand read is queued or running, in small
+pieces), and the guessed layer's acquire waits only for
 what is still being read (promoted to demand priority) and copies from those buffers; the reads of wrong
 guesses that have not started yet are cancelled. A failed lookahead read that the next layer needs fails
 that acquire like any demand read; one it does not need is dropped. Lookahead experts bypass the RAM tier.
@@ -116,7 +117,7 @@ class StreamingProvider:
             if self.book is not None:
                 self._lookahead_callback = ffi.callback(
                     "void(void *, int32_t, const int32_t *, int32_t, int32_t)", self._on_lookahead)
-                native.set_prefetch(ctx_ptr, self._lookahead_callback)
+                native.set_prefetch(ctx_ptr, self._lookahead_callback, settings.prefetch_depth)
         except BaseException:
             self.close()
             raise
@@ -134,7 +135,7 @@ class StreamingProvider:
             self.error = exc
             return 1
 
-    # called from llama.cpp's compute thread right after a layer's _provide, with the next layer's guess
+    # called from llama.cpp's compute thread right after a layer's _provide, once per layer guessed ahead
     def _on_lookahead(self, _user, layer, ids_ptr, n_used, n_tokens) -> None:
         try:
             guesses = np.frombuffer(ffi.buffer(ids_ptr, 4 * n_used * n_tokens), dtype=np.int32)
@@ -148,7 +149,7 @@ class StreamingProvider:
         """Start lookahead reads for the guessed experts of ``layer`` that are in neither the pool nor the RAM
         tier nor read already, as long as lookahead buffers are free. Never blocks on I/O."""
         experts = [e for e in dict.fromkeys(expert_ids.tolist()) if 0 <= e < self._reader.layout.num_experts]
-        self._predicted[layer] = set(experts)
+        self._predicted.setdefault(layer, set()).update(experts)  # with depth > 1, several guesses per layer
         for entry in self.book.reclaim():
             self._count_wasted(entry)
         for expert in experts:
@@ -346,7 +347,9 @@ class StreamingProvider:
                     pool_bytes=self.layout.pool_bytes, device=self.device,
                     ram_slots=self.tier.n_blocks if self.tier else 0,
                     prefetch_slots=self.settings.prefetch_slots if self.book is not None else 0,
-                    prefetch_top=self.settings.prefetch_top)
+                    prefetch_top=self.settings.prefetch_top,
+                    prefetch_depth=self.settings.prefetch_depth if self.book is not None else 0,
+                    **(native.hook_stats(self._ctx) if self._ctx is not None else {}))
 
     def close(self) -> None:
         """Detach from the context, stop the read threads, close files, free staging memory; idempotent."""
