@@ -46,8 +46,10 @@ def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_
         served = dict(pack=True, serve_from=str(model.with_suffix(".expert-pack"))) if source == "pack" else {}
         got, stats = logits(dict(base, mode="hook", device=device, n_slots=n_slots, provider=provider,
                                  streaming=streaming or {}, out=str(tmp / "h.npy"), **served), tmp, lib_dir=patched_lib)
-        label = provider + ("+ram" if (streaming or {}).get("ram_cache_mib") else "") + (
-            "+prefetch" if (streaming or {}).get("prefetch") else "")
+        streaming_ = streaming or {}
+        depth = streaming_.get("prefetch_depth", 1)
+        label = provider + ("+ram" if streaming_.get("ram_cache_mib") else "") + (
+            ("+prefetch" + (f"-d{depth}" if depth > 1 else "")) if streaming_.get("prefetch") else "")
         cases.append(case(preset, label, source, n_ubatch, n_prompt, n_slots, spec.n_expert, want, noprov, got,
                           stats, time.time() - t0))
     return cases
@@ -78,6 +80,8 @@ def markdown(results: list[dict]) -> str:
 
 def streaming_settings(args) -> dict:
     settings = dict(ram_cache_mib=args.ram_cache_mib) if args.ram_cache_mib else {}
+    if args.prefetch_depth > 1:
+        return dict(settings, prefetch=True, prefetch_depth=args.prefetch_depth, prefetch_slots=4 * args.prefetch_depth)
     return dict(settings, prefetch=True) if args.prefetch else settings
 
 
@@ -94,6 +98,8 @@ def main() -> int:
                         help="where the provider reads experts: GGUF-direct, the expert pack, or both")
     parser.add_argument("--ram-cache-mib", type=float, help="streaming provider: a host-RAM tier of this size")
     parser.add_argument("--prefetch", action="store_true", help="streaming provider: router-lookahead prefetch")
+    parser.add_argument("--prefetch-depth", type=int, default=1,
+                        help="streaming provider: prefetch guessing this many layers ahead (implies --prefetch)")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
     args = parser.parse_args()
     results = []

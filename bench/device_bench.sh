@@ -5,7 +5,9 @@
 #   run(command="bash bench/device_bench.sh prepare", carry=[".devtree", ".whl"])  # build, bit-exact, model, pack
 #   run(command="bash bench/device_bench.sh bench", carry=[".devtree", ".whl"])    # the side-by-side runs
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh prefetch", ...)   # #9: build, bit-exact, model
-#   then bench with PREFETCH=1 (adds the +prefetch runs); TEMPERATURE=1 samples instead of greedy decoding
+#   then bench with PREFETCH=1 (adds the +prefetch runs); TEMPERATURE=1 samples instead of greedy decoding;
+#   PREFETCH_DEPTHS=4,8 and READ_SPLITS=4 add +prefetch-dD and +splitN runs
+#   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round3", ...)  # #9 third round: see below
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -60,11 +62,28 @@ recheck)  # build, then CUDA bit-exactness of the streaming provider with and wi
     LLAMA_CPP_LIB_PATH="$build/patched" python3 bench/provider_overhead.py --prefetch -n 600 \
         --out "$out/provider_overhead.json" 2>&1 | tail -2
     ;;
+round3)  # #9, third round: build, CUDA bit-exact at lookahead depth DEPTH (default 4), the numpy-import-order
+        # crash, then (once the model and pack are written) the disk by read size and reads in flight
+    (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "${SKEW:-0}" > "$out/synth.log" 2>&1 \
+        && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
+    synth=$!
+    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
+    tail -3 "$out/machine.txt"
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_prefetch_depth.json" --provider streaming --prefetch-depth "${DEPTH:-4}" \
+        --sources gguf pack --ubatch 1 512 2>&1 | tail -2
+    bash bench/numpy_import_order.sh "$build" "$work" > "$out/numpy_import_order.txt" 2>&1
+    tail -12 "$out/numpy_import_order.txt"
+    wait $synth
+    tail -2 "$out/synth.log"
+    python3 bench/disk_queue_depth.py "${model%.gguf}.expert-pack" --out "$out/disk_queue_depth.json" 2>&1
+    ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
     results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
         --decode-cap-s "${DECODE_CAP_S:-20}" --temperature "${TEMPERATURE:-0}" ${RAM_TIER:+--ram-tier} \
-        ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} \
+        ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} ${CONFIGS:+--configs $CONFIGS} 2>&1
     ;;
 esac
