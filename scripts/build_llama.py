@@ -143,6 +143,34 @@ def want_cuda() -> bool:
         ["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
+def shared_cxx_runtime_args(work_dir: Path) -> list[str]:
+    """Make ``-lstdc++`` find the shared C++ runtime when the compiler has only the static one in its path.
+
+    On the lent GPU machine's image the libs came out without libstdc++.so.6 in NEEDED and libggml-cuda.so
+    exporting a static copy of the C++ runtime; a process that had loaded the system libstdc++ first (an
+    ``import numpy`` does) then crashed loading a model, in print_info's ostream (bench/results/
+    numpy_import_order.txt). A link directory holding ``libstdc++.so`` -> the runtime fixes the lookup."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None or not sys.platform.startswith("linux"):
+        return []
+
+    def print_file_name(name: str) -> str:
+        return subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+
+    if os.path.isabs(print_file_name("libstdc++.so")):
+        return []  # the usual case: the development link is there
+    runtime = print_file_name("libstdc++.so.6")
+    if not os.path.isabs(runtime):
+        return []
+    link_dir = work_dir / "cxx-runtime-link"
+    link_dir.mkdir(parents=True, exist_ok=True)
+    link = link_dir / "libstdc++.so"
+    link.unlink(missing_ok=True)
+    link.symlink_to(os.path.realpath(runtime))
+    log(f"{cxx} has no libstdc++.so development link: linking the shared runtime {runtime} through {link_dir}")
+    return [f"-DCMAKE_SHARED_LINKER_FLAGS=-L{link_dir}"]
+
+
 def cmake_args(cuda: bool) -> list[str]:
     args = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
@@ -157,7 +185,8 @@ def cmake_build(root: Path, build_dir: Path, cuda: bool) -> Path:
     jobs = str(os.environ.get("LLAMAPACK_JOBS", os.cpu_count() or 2))
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     log(f"configuring ({'CUDA' if cuda else 'CPU'}) in {build_dir}")
-    subprocess.run(["cmake", "-S", str(root), "-B", str(build_dir), *generator, *cmake_args(cuda)], check=True,
+    args = cmake_args(cuda) + shared_cxx_runtime_args(build_dir.parent)
+    subprocess.run(["cmake", "-S", str(root), "-B", str(build_dir), *generator, *args], check=True,
                    stdout=subprocess.DEVNULL)
     build_log = build_dir / "build.log"
     log(f"building with {jobs} jobs (a few minutes on 2 cores); compiler output in {build_log}")

@@ -72,3 +72,32 @@ def test_sdist_with_wrong_hash_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(build_llama, "CACHE", fake_cache)
     with pytest.raises(build_llama.BuildError, match="does not match the pin"):
         build_llama.fetch_sdist()
+
+
+def fake_compiler(tmp_path: Path, dev_link: bool) -> Path:
+    """A C++ driver that answers -print-file-name like g++: a path when it finds the file, the bare name if not."""
+    runtime = tmp_path / "lib" / "libstdc++.so.6"
+    runtime.parent.mkdir()
+    runtime.write_bytes(b"")
+    script = tmp_path / "c++"
+    found = {"libstdc++.so.6": str(runtime)}
+    if dev_link:
+        found["libstdc++.so"] = str(runtime)
+    cases = "".join(f'    -print-file-name={name}) echo "{path}";;\n' for name, path in found.items())
+    script.write_text(f'#!/bin/sh\ncase "$1" in\n{cases}    -print-file-name=*) echo "${{1#-print-file-name=}}";;\nesac\n')
+    script.chmod(0o755)
+    return runtime
+
+
+@pytest.mark.parametrize("dev_link", [True, False])
+def test_the_shared_cxx_runtime_is_linked_when_only_the_static_one_is_found(tmp_path, monkeypatch, dev_link):
+    runtime = fake_compiler(tmp_path, dev_link)
+    monkeypatch.setenv("CXX", str(tmp_path / "c++"))
+    args = build_llama.shared_cxx_runtime_args(tmp_path / "work")
+    if dev_link:  # the usual toolchain: nothing to do
+        assert args == [] and not (tmp_path / "work").exists()
+        return
+    link = tmp_path / "work" / "cxx-runtime-link" / "libstdc++.so"
+    assert args == [f"-DCMAKE_SHARED_LINKER_FLAGS=-L{link.parent}"]
+    assert link.is_symlink() and link.resolve() == runtime.resolve()
+    assert build_llama.shared_cxx_runtime_args(tmp_path / "work") == args  # idempotent: the link is replaced
