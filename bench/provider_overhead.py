@@ -10,7 +10,7 @@ bench/results/gpu_bench_README.md, "rest of the provider"). Needs the patched li
 """
 from __future__ import annotations
 
-import llama_cpp  # noqa: F401  isort: skip - before numpy (a CUDA build crashed otherwise)
+import llama_cpp  # noqa: F401  isort: skip - before numpy (see docs/hook.md: static C++ runtime)
 
 import argparse
 import json

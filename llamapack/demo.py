@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import llama_cpp  # noqa: F401 - imported before numpy (a CUDA build crashed otherwise)
+import llama_cpp  # noqa: F401 - imported before numpy (see docs/hook.md: static C++ runtime)
 import numpy as np
 
 DEMO_PRESET = "qwen3moe-tiny"

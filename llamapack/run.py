@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
-import llama_cpp  # noqa: F401 - imported before numpy (a CUDA build crashed otherwise)
+import llama_cpp  # noqa: F401 - imported before numpy (see docs/hook.md: static C++ runtime)
 
 from .errors import LlamapackError, NativeError, PackIOError
 

@@ -14,8 +14,8 @@ import resource
 import sys
 from pathlib import Path
 
-# llama_cpp before numpy: with numpy loaded first, the CUDA build of libllama crashes while loading the
-# model on the GPU machine (seen with numpy 2.5.2, CUDA 13); the CPU build does not care.
+# llama_cpp before numpy: a libllama linked with a static C++ runtime crashes loading a model when numpy
+# loaded the shared one first (docs/hook.md); build_llama.py now links the shared runtime.
 import llama_cpp  # noqa: F401  isort: skip
 import numpy as np
 

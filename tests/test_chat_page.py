@@ -5,7 +5,7 @@ LLAMAPACK_UPDATE_SCREENSHOT=1 it replaces the committed ``tests/screenshots/chat
 Needs Debian's ``chromium`` and ``chromium-driver`` (CI installs them); without them this test fails."""
 from __future__ import annotations
 
-import llama_cpp  # noqa: F401 - before numpy (a CUDA build crashed otherwise)
+import llama_cpp  # noqa: F401 - before numpy (see docs/hook.md: static C++ runtime)
 
 import os
 import re

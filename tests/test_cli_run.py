@@ -1,7 +1,7 @@
 """``llamapack run`` / ``demo`` / ``synth``: through click's CliRunner and as real ``python -m llamapack`` processes."""
 from __future__ import annotations
 
-import llama_cpp  # noqa: F401 - before numpy where this file decides (a CUDA build crashed otherwise)
+import llama_cpp  # noqa: F401 - before numpy where this file decides (see docs/hook.md: static C++ runtime)
 
 import json
 import os

@@ -6,7 +6,7 @@ library; only the pack side has a provider attached.
 """
 from __future__ import annotations
 
-import llama_cpp  # before numpy (a CUDA build crashed otherwise)
+import llama_cpp  # before numpy (see docs/hook.md: static C++ runtime)
 
 import numpy as np
 import pytest

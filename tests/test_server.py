@@ -1,7 +1,7 @@
 """``llamapack.server`` through the official ``openai`` client against live servers on 127.0.0.1."""
 from __future__ import annotations
 
-import llama_cpp  # noqa: F401 - before numpy (a CUDA build crashed otherwise)
+import llama_cpp  # noqa: F401 - before numpy (see docs/hook.md: static C++ runtime)
 
 import json
 import os

@@ -24,7 +24,7 @@ def _numbers(kind):
 
 def has_gpu() -> bool:
     """Whether the libllama llama_cpp loads can offload, asked in a child process: this process stays free of
-    libllama (the runs load their own; a CUDA libllama loaded beside numpy and matplotlib crashed it)."""
+    libllama (the runs load their own, each with the libllama its configuration needs)."""
     probe = "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 

@@ -11,7 +11,7 @@ bits can be compared exactly.
 """
 from __future__ import annotations
 
-import llama_cpp  # noqa: F401  isort: skip - before numpy (a CUDA build crashed otherwise)
+import llama_cpp  # noqa: F401  isort: skip - before numpy (see docs/hook.md: static C++ runtime)
 
 import hashlib
 import json
