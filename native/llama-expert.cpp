@@ -36,6 +36,8 @@ struct llama_expert_model_info {
 
 struct llama_expert_hook;
 
+static_assert(LLAMA_EXPERT_MAX_LOOKAHEAD + 1 <= GGML_MAX_SRC, "the remap op takes the ids plus one guess per layer ahead");
+
 // a layer whose experts a lookahead guesses, and its router (logits weight, optional bias)
 struct llama_expert_lookahead_target {
     int32_t       layer;
