@@ -21,61 +21,53 @@ export PYTHONPATH="/tmp/site:$repo/.devtree/src:$repo" LLAMAPACK_VOCAB_DIR="$rep
 lp() { python3 -m llamapack "$@"; }
 model="$work/${MODEL_NAME:-q30b-skew1}.gguf"
 
+# the model (router skew $1) and its pack, written in the background; wait_for_model waits and shows the log
+start_model() {
+    (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "$1" > "$out/synth.log" 2>&1 \
+        && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
+    synth=$!
+}
+wait_for_model() { wait "$synth"; tail -3 "$out/synth.log"; }
+build_cuda() { LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build; tail -3 "$out/machine.txt"; }
+# CUDA bit-exactness of the streaming provider, GGUF-direct and pack, n_ubatch 1 and 512: bitexact OUT.json [ARGS]
+bitexact() {
+    local json="$1"; shift
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/$json" --provider streaming --sources gguf pack --ubatch 1 512 "$@" 2>&1 | tail -2
+}
+
 case "${1:-prepare}" in
 prepare)
     { df -h "$work" /tmp; free -g; nproc; } > "$out/disk.txt" 2>&1
-    (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "${SKEW:-1.0}" > "$out/synth.log" 2>&1 \
-        && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
-    synth=$!
-    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
-    tail -3 "$out/machine.txt"
-    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_bitexact_streaming.json" --provider streaming --sources gguf pack --ubatch 1 512 2>&1 | tail -3
-    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_bitexact_ramtier.json" --provider streaming --sources pack gguf --ubatch 1 512 \
-        --archs qwen3moe-tiny gpt-oss-tiny --ram-cache-mib 24 2>&1 | tail -2
-    wait $synth
-    cat "$out/synth.log" | tail -3
+    start_model "${SKEW:-1.0}"
+    build_cuda
+    bitexact cuda_bitexact_streaming.json
+    bitexact cuda_bitexact_ramtier.json --archs qwen3moe-tiny gpt-oss-tiny --ram-cache-mib 24
+    wait_for_model
     ls -la "$work"; df -h "$work"
     ;;
 prefetch)  # issue #9: build, CUDA bit-exact with router lookahead, and the model (SKEW, default 0) with its pack
-    (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "${SKEW:-0}" > "$out/synth.log" 2>&1 \
-        && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
-    synth=$!
-    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
-    tail -3 "$out/machine.txt"
-    [ -n "${SKIP_BITEXACT:-}" ] || python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" \
-        --patched-lib "$build/patched" --out "$out/cuda_bitexact_prefetch.json" --provider streaming --prefetch \
-        --sources gguf pack --ubatch 1 512 2>&1 | tail -3
-    wait $synth
-    tail -3 "$out/synth.log"
+    start_model "${SKEW:-0}"
+    build_cuda
+    [ -n "${SKIP_BITEXACT:-}" ] || bitexact cuda_bitexact_prefetch.json --prefetch
+    wait_for_model
     ;;
 recheck)  # build, then CUDA bit-exactness of the streaming provider with and without lookahead, and the
          # provider's per-layer cost on this machine's CPU (bench/provider_overhead.py)
-    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
-    tail -3 "$out/machine.txt"
-    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_bitexact_streaming.json" --provider streaming --sources gguf pack --ubatch 1 512 2>&1 | tail -2
-    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_bitexact_prefetch.json" --provider streaming --prefetch \
-        --sources gguf pack --ubatch 1 512 2>&1 | tail -2
+    build_cuda
+    bitexact cuda_bitexact_streaming.json
+    bitexact cuda_bitexact_prefetch.json --prefetch
     LLAMA_CPP_LIB_PATH="$build/patched" python3 bench/provider_overhead.py --prefetch -n 600 \
         --out "$out/provider_overhead.json" 2>&1 | tail -2
     ;;
 round3)  # #9, third round: build, CUDA bit-exact at lookahead depth DEPTH (default 4), the numpy-import-order
         # crash, then (once the model and pack are written) the disk by read size and reads in flight
-    (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "${SKEW:-0}" > "$out/synth.log" 2>&1 \
-        && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
-    synth=$!
-    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build
-    tail -3 "$out/machine.txt"
-    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_bitexact_prefetch_depth.json" --provider streaming --prefetch-depth "${DEPTH:-4}" \
-        --sources gguf pack --ubatch 1 512 2>&1 | tail -2
+    start_model "${SKEW:-0}"
+    build_cuda
+    bitexact cuda_bitexact_prefetch_depth.json --prefetch-depth "${DEPTH:-4}"
     bash bench/numpy_import_order.sh "$build" "$work" > "$out/numpy_import_order.txt" 2>&1
     tail -12 "$out/numpy_import_order.txt"
-    wait $synth
-    tail -2 "$out/synth.log"
+    wait_for_model
     python3 bench/disk_queue_depth.py "${model%.gguf}.expert-pack" --out "$out/disk_queue_depth.json" 2>&1
     ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
