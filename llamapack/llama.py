@@ -69,7 +69,8 @@ class Llama(llama_cpp.Llama):
                  read_timeout_s: float | None = DEFAULTS.read_timeout_s,
                  ram_cache_mib: float | None = DEFAULTS.ram_cache_mib, prefetch: bool = DEFAULTS.prefetch,
                  prefetch_slots: int = DEFAULTS.prefetch_slots, prefetch_top: int | None = DEFAULTS.prefetch_top,
-                 prefetch_depth: int = DEFAULTS.prefetch_depth, **kwargs):
+                 prefetch_depth: int = DEFAULTS.prefetch_depth, native_reads: bool = DEFAULTS.native_reads,
+                 **kwargs):
         self._provider = None
         self.pack_settings = resolve_settings(
             model_path, pack, gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib, direct_io=direct_io,
@@ -77,7 +78,8 @@ class Llama(llama_cpp.Llama):
             cache_vram_reserve_mib=cache_vram_reserve_mib, stage_slots=stage_slots, read_splits=read_splits,
             stats_path=None if stats_path is None else os.fspath(stats_path), stats_flush_interval=stats_flush_interval,
             read_timeout_s=read_timeout_s, ram_cache_mib=ram_cache_mib, prefetch=prefetch,
-            prefetch_slots=prefetch_slots, prefetch_top=prefetch_top, prefetch_depth=prefetch_depth)
+            prefetch_slots=prefetch_slots, prefetch_top=prefetch_top, prefetch_depth=prefetch_depth,
+            native_reads=native_reads)
         if self.pack_settings is None:
             super().__init__(model_path, *args, **kwargs)
             return

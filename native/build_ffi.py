@@ -56,6 +56,24 @@ int32_t llama_expert_prefetch_set(struct llama_context * ctx, llama_expert_prefe
 int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 void    llama_expert_detach(struct llama_context * ctx);
 const char * llama_expert_last_error(const struct llama_context * ctx);
+
+struct llama_expert_read_pool;
+struct llama_expert_read_status {
+    int32_t  state;
+    int32_t  error;
+    uint64_t bytes;
+    uint64_t order;
+};
+struct llama_expert_read_pool * llama_expert_read_pool_new(int32_t n_threads, int32_t max_prefetch);
+void    llama_expert_read_pool_free(struct llama_expert_read_pool * pool);
+int64_t llama_expert_read_submit(struct llama_expert_read_pool * pool, int32_t fd, void * dst,
+                                 uint64_t offset, uint64_t nbytes, uint64_t align, bool prefetch);
+int32_t llama_expert_read_promote(struct llama_expert_read_pool * pool, int64_t id);
+int32_t llama_expert_read_cancel(struct llama_expert_read_pool * pool, int64_t id);
+int32_t llama_expert_read_get_status(struct llama_expert_read_pool * pool, int64_t id, struct llama_expert_read_status * out);
+int32_t llama_expert_read_wait_any(struct llama_expert_read_pool * pool, const int64_t * ids, int32_t n_ids, double timeout_s);
+void    llama_expert_read_pool_hold(struct llama_expert_read_pool * pool, bool hold);
+void    llama_expert_read_release(struct llama_expert_read_pool * pool, int64_t id);
 """
 
 ffibuilder = cffi.FFI()

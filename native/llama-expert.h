@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 3
+#define LLAMA_EXPERT_API_VERSION 4
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -126,6 +126,53 @@ struct llama_expert_hook_stats {
 LLAMA_EXPERT_API int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.
 LLAMA_EXPERT_API const char * llama_expert_last_error(const struct llama_context * ctx);
+
+// ---- Expert read pool (native/llama-expert-io.cpp) ----------------------------------------------------
+// Threads that pread byte ranges of already opened files into caller memory, without Python's GIL. Two
+// queues: demand reads always start before queued prefetch reads; a prefetch read starts only while no
+// demand read is queued or running, and at most max_prefetch of them run at once, so n_threads -
+// max_prefetch threads are always there for demand reads. A read is never preempted once running.
+// The caller keeps dst valid and the fd open until the read is no longer queued or running.
+struct llama_expert_read_pool;
+
+enum llama_expert_read_state {
+    LLAMA_EXPERT_READ_QUEUED    = 0,
+    LLAMA_EXPERT_READ_RUNNING   = 1,
+    LLAMA_EXPERT_READ_DONE      = 2,  // bytes may be short of nbytes (end of file)
+    LLAMA_EXPERT_READ_FAILED    = 3,  // error holds the errno
+    LLAMA_EXPERT_READ_CANCELLED = 4,
+};
+
+struct llama_expert_read_status {
+    int32_t  state;   // enum llama_expert_read_state
+    int32_t  error;   // errno of the failed pread, 0 otherwise
+    uint64_t bytes;   // bytes read
+    uint64_t order;   // when it started: 1 for the pool's first read, 2 for the next...; 0 while queued
+};
+
+// NULL when 0 <= max_prefetch < n_threads does not hold or a thread cannot start.
+LLAMA_EXPERT_API struct llama_expert_read_pool * llama_expert_read_pool_new(int32_t n_threads, int32_t max_prefetch);
+// Cancels the queued reads, waits for the running ones, stops the threads. NULL is a no-op.
+LLAMA_EXPERT_API void    llama_expert_read_pool_free(struct llama_expert_read_pool * pool);
+// Queue a read of nbytes at offset into dst; a read that ends off a multiple of `align` (O_DIRECT's block
+// size; 0: any) stops there, as at the end of the file. Returns the read's id (> 0), or -1 once freeing.
+LLAMA_EXPERT_API int64_t llama_expert_read_submit(struct llama_expert_read_pool * pool, int32_t fd, void * dst,
+        uint64_t offset, uint64_t nbytes, uint64_t align, bool prefetch);
+// Move a queued prefetch read to the end of the demand queue. Returns 1 when moved, 0 otherwise.
+LLAMA_EXPERT_API int32_t llama_expert_read_promote(struct llama_expert_read_pool * pool, int64_t id);
+// Cancel a queued read. Returns 1 when it was queued (now cancelled), 0 otherwise (running or finished).
+LLAMA_EXPERT_API int32_t llama_expert_read_cancel(struct llama_expert_read_pool * pool, int64_t id);
+// Returns 0 and fills out, or -1 for an unknown (or released and finished) id.
+LLAMA_EXPERT_API int32_t llama_expert_read_get_status(struct llama_expert_read_pool * pool, int64_t id,
+        struct llama_expert_read_status * out);
+// Wait until at least one of ids is finished (done, failed, cancelled or unknown), or timeout_s seconds
+// (< 0: forever). Returns how many of ids are finished; 0 after a timeout.
+LLAMA_EXPERT_API int32_t llama_expert_read_wait_any(struct llama_expert_read_pool * pool, const int64_t * ids,
+        int32_t n_ids, double timeout_s);
+// While held, no queued read starts (running ones go on): to queue a batch before any of it starts.
+LLAMA_EXPERT_API void    llama_expert_read_pool_hold(struct llama_expert_read_pool * pool, bool hold);
+// Forget a read: a queued one is cancelled; a running one is forgotten when it finishes.
+LLAMA_EXPERT_API void    llama_expert_read_release(struct llama_expert_read_pool * pool, int64_t id);
 
 #ifdef __cplusplus
 }

@@ -46,8 +46,9 @@ def test_matrix_has_the_side_by_side_runs():
     (dict(vram_fraction=0.5), "vram_fraction"),
     (dict(source="pack", vram_fraction=1.5), "must be in"),
     (dict(source="pack", vram_fraction=0.5, cpu_moe=True), "cpu_moe"),
-    (dict(prefetch=True), "prefetch and read_splits are llamapack settings"),
-    (dict(read_splits=4), "prefetch and read_splits are llamapack settings"),
+    (dict(prefetch=True), "prefetch, read_splits and python_reads are llamapack settings"),
+    (dict(read_splits=4), "prefetch, read_splits and python_reads are llamapack settings"),
+    (dict(python_reads=True), "prefetch, read_splits and python_reads are llamapack settings"),
     (dict(source="pack", vram_fraction=0.5, prefetch=True, prefetch_depth=9), "prefetch_depth must be in"),
 ])
 def test_bad_configs_are_refused(kwargs, message):

@@ -66,7 +66,8 @@ def provider_worker(spec: dict) -> dict:
     llm, _ = load(dict(spec, mode="lazy_no_provider"))
     fault = FaultyRead(**spec.get("fault", {}))
     try:
-        provider = streaming_provider(llm, spec, spec.get("serve_from", spec["model"]), read_fn=fault)
+        provider = streaming_provider(llm, spec, spec.get("serve_from", spec["model"]),
+                                      read_fn=None if spec.get("native_reads") else fault)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         llm.close()
         return {"init_error": f"{type(exc).__name__}: {exc}"}
@@ -78,6 +79,8 @@ def provider_worker(spec: dict) -> dict:
 
     provider.acquire = traced
     fault.armed = True
+    if "truncate_at" in spec:  # the file shrinks under the running provider: a real short read
+        os.truncate(spec["serve_from"], spec["truncate_at"])
     prompt = prompt_tokens(llm, spec["n_prompt"])
     result: dict = {}
     if spec.get("eval_first"):  # a first request that may fail, then what it left behind
@@ -91,6 +94,11 @@ def provider_worker(spec: dict) -> dict:
                       resident=[list(key) for key in provider.policy.resident()],
                       ram_resident=[list(key) for key in provider.tier.resident()] if provider.tier else [],
                       trace_after_failure=len(trace))
+    if "truncate_at" in spec:
+        with open(spec["serve_from"], "r+b") as f, open(spec["restore_from"], "rb") as original:
+            f.seek(spec["truncate_at"])
+            original.seek(spec["truncate_at"])
+            f.write(original.read())
     if spec.get("n_decode") is not None:
         np.save(spec["out"], greedy_logits(llm, prompt, spec["n_decode"]))
     result.update(stats=provider.stats(), trace=trace)
@@ -203,12 +211,13 @@ def replay(trace, n_slots: int) -> tuple[int, list, int]:
 
 @pytest.fixture(scope="module")
 def traced_runs(models, tmp_path_factory):
-    """source -> (worker result with the acquire trace, logits): qwen3moe-tiny, n_ubatch 7, 16 slots."""
+    """source -> (worker result with the acquire trace, logits): qwen3moe-tiny, n_ubatch 7, 16 slots; the
+    pack run reads on the native pool, the GGUF run on Python threads."""
     folder, runs = tmp_path_factory.mktemp("traced"), {}
     for source in ("pack", "gguf"):
         out = folder / f"{source}.npy"
         result = run_self(spec_for(models["qwen3moe-tiny"][0], 7, out, n_slots=16, provider="streaming",
-                                   streaming=dict(stage_slots=4, read_splits=3),
+                                   streaming=dict(stage_slots=4, read_splits=3), native_reads=source == "pack",
                                    **source_spec(models, "qwen3moe-tiny", source)), folder)
         runs[source] = result, np.load(out)
     return runs
@@ -218,6 +227,7 @@ def traced_runs(models, tmp_path_factory):
 def test_counters_match_the_trace(source, traced_runs, models, vanilla):
     result, got = traced_runs[source]
     stats, trace = result["stats"], result["trace"]
+    assert stats["read_engine"] == ("native" if source == "pack" else "python")
     assert np.array_equal(got, vanilla("qwen3moe-tiny", 7))
     n_slots = stats["n_slots"]
     hits, loaded, evictions = replay(trace, n_slots)
@@ -331,6 +341,31 @@ def test_read_past_the_timeout_fails_the_decode_then_recovers(splits, models, va
     assert [layer, expert] not in result["resident"]
     assert result["stats_after_failure"]["io_errors"] >= 1
     assert np.array_equal(np.load(tmp_path / "t.npy"), vanilla("qwen3moe-tiny", 7))
+
+
+def test_native_short_read_fails_the_decode_then_recovers(models, traced_runs, vanilla, tmp_path):
+    """The native read pool (no injected read_fn): the pack is truncated under the running provider, inside
+    the first block the prompt loads; that read comes back short and fails the decode, naming the block."""
+    from llamapack.pack import PackReader, build_pack
+
+    gguf, pack = models["qwen3moe-tiny"]
+    serving = Path(build_pack(gguf, tmp_path / "serving.expert-pack", progress=False, safety_margin_mib=0).pack_path)
+    layer, experts = traced_runs["pack"][0]["trace"][0]
+    with PackReader(pack) as reader:
+        offset = reader.layout.block_offset(layer, experts[0])
+    spec = spec_for(gguf, 7, tmp_path / "n.npy", n_slots=16, provider="streaming", eval_first=True,
+                    native_reads=True, truncate_at=offset + 4096, restore_from=str(pack), pack=True,
+                    serve_from=str(serving), streaming=dict(stage_slots=4, read_splits=1))
+    result = run_self(spec, tmp_path)
+    assert "init_error" not in result, result["init_error"]
+    assert result["stats"]["read_engine"] == "native"
+    assert result["decode_error"] == "llama_decode returned -3"
+    error = result["provider_error"]
+    assert error.startswith(f"PackIOError: short read from {serving} at offset {offset} "
+                            f"(layer {layer} expert {experts[0]}): got 4096 of"), error
+    assert [layer, experts[0]] not in result["resident"] and result["stats_after_failure"]["io_errors"] >= 1
+    # the file restored, the same request is served again, bit-exact
+    assert np.array_equal(np.load(tmp_path / "n.npy"), vanilla("qwen3moe-tiny", 7))
 
 
 def test_filesystem_without_o_direct_is_refused_at_init(models, tmp_path):

@@ -20,7 +20,8 @@ class BenchConfig:
     ``cpu_moe``: vanilla with routed experts in host memory, computed on the CPU. ``repack``: llama.cpp's
     CPU weight repacking (``use_extra_bufts``; off means the experts stay mmapped). ``vram_fraction``: the
     expert cache's share of all routed experts (pack modes). ``memory_limit_mib``: a cgroup ``memory.max``
-    the run is held to (None: no limit). ``prefetch``: router lookahead (pack modes). ``reference``: the run other runs' logits are compared with."""
+    the run is held to (None: no limit). ``prefetch``: router lookahead (pack modes). ``python_reads``: pack reads on
+    Python threads instead of the native read pool. ``reference``: the run other runs' logits are compared with."""
 
     name: str
     source: str = VANILLA
@@ -32,6 +33,7 @@ class BenchConfig:
     prefetch_top: int | None = None
     prefetch_depth: int = 1
     read_splits: int | None = None
+    python_reads: bool = False
     memory_limit_mib: int | None = None
     n_threads: int = 4
     n_gpu_layers: int = 99
@@ -42,8 +44,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: unknown source {self.source!r}")
         if (self.source == VANILLA) == (self.vram_fraction is not None):
             raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
-        if (self.prefetch or self.read_splits is not None) and self.source == VANILLA:
-            raise ValueError(f"{self.name}: prefetch and read_splits are llamapack settings")
+        if (self.prefetch or self.read_splits is not None or self.python_reads) and self.source == VANILLA:
+            raise ValueError(f"{self.name}: prefetch, read_splits and python_reads are llamapack settings")
         if self.cpu_moe and self.source != VANILLA:
             raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
         if not 1 <= self.prefetch_depth <= 8 or (self.read_splits is not None and self.read_splits < 1):
@@ -74,7 +76,8 @@ def percent(fraction: float) -> str:
 
 def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 0.5), *, gpu: bool = True,
                    gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False,
-                   prefetch: bool = False, prefetch_tops=(), prefetch_depths=(), read_splits=()) -> list[BenchConfig]:
+                   prefetch: bool = False, prefetch_tops=(), prefetch_depths=(), read_splits=(),
+                   python_reads: bool = False) -> list[BenchConfig]:
     """The side-by-side set, reference first.
 
     ``memory_limit_mib`` None leaves out the limited runs (a machine without cgroup v2). ``full_cache`` adds
@@ -83,7 +86,8 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
     ``prefetch`` adds, beside each limited pack run, the same run with router lookahead (``+prefetch``), and
     each r of ``prefetch_tops`` one that prefetches only each token's best r guesses (``+prefetch-top{r}``),
     each d of ``prefetch_depths`` one that guesses d layers ahead (``+prefetch-d{d}``), and each n of
-    ``read_splits`` one that reads each expert in n parallel pieces, without prefetch (``+split{n}``).
+    ``read_splits`` one that reads each expert in n parallel pieces, without prefetch (``+split{n}``). With
+    ``python_reads`` each limited pack run gets a twin reading on Python threads (``+pyreads``).
     Without a GPU (``gpu=False``) the reference runs with repacking off, as a host slot pool does, so that
     its logits can be compared exactly. Under a memory limit the ``--cpu-moe`` run cannot repack (repacking copies every expert into RAM,
     which the limit does not hold): it runs with the experts mmapped, as ``--no-repack`` does.
@@ -106,6 +110,8 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
                                 prefetch_depth=d) for d in prefetch_depths]
         limited += [BenchConfig(f"pack-{percent(f)}+split{n}", source=PACK, vram_fraction=f, read_splits=n)
                     for n in read_splits]
+    if python_reads:
+        limited += [replace(c, name=f"{c.name}+pyreads", python_reads=True) for c in limited if c.source == PACK]
     if gguf_direct:
         limited += [BenchConfig(f"gguf-direct-{percent(f)}", source=GGUF_DIRECT, vram_fraction=f) for f in fractions]
     if memory_limit_mib is not None:

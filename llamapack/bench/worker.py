@@ -48,7 +48,8 @@ def load(spec: dict, config: BenchConfig):
     source = dict(gguf_direct=True) if config.source == "gguf_direct" else dict(pack=spec.get("pack") or True)
     read_splits = config.read_splits if config.read_splits is not None else spec.get("read_splits", 1)
     return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
-                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, **extra, **params)
+                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=not config.python_reads,
+                 **extra, **params)
 
 
 def last_logits(llm) -> np.ndarray:
@@ -122,7 +123,7 @@ def run(spec: dict) -> dict:
         llm.close()
     return dict(config=config.as_dict(), load_s=load_s, requests=requests,
                 provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots",
-                                          "prefetch_top", "prefetch_depth") if k in pack},
+                                          "prefetch_top", "prefetch_depth", "read_engine") if k in pack},
                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 

@@ -42,6 +42,16 @@ def _refusal(path: str, when: str) -> PackIOError:
     )
 
 
+def read_error(path: str, offset: int, where: str, reason: str) -> PackIOError:
+    context = f" ({where})" if where else ""
+    return PackIOError(f"read error on {path} at offset {offset}{context}: {reason}")
+
+
+def short_read_error(path: str, offset: int, where: str, got: int, need: int) -> PackIOError:
+    context = f" ({where})" if where else ""
+    return PackIOError(f"short read from {path} at offset {offset}{context}: got {got} of {need} bytes")
+
+
 class DirectFile:
     """One file opened for (optionally O_DIRECT) positional reads or writes."""
 
@@ -61,7 +71,7 @@ class DirectFile:
             raise PackIOError(f"cannot open {self.path}: {exc.strerror}") from None
         self._io_done = False
 
-    def _check_direct_args(self, buf: np.ndarray, offset: int, nbytes: int) -> None:
+    def check_direct_args(self, buf: np.ndarray, offset: int, nbytes: int) -> None:
         if self.direct_io and (not is_aligned(buf) or offset % ALIGNMENT or nbytes % ALIGNMENT):
             raise PackIOError(
                 f"{self.path}: O_DIRECT transfer of {nbytes} bytes at offset {offset} "
@@ -73,9 +83,8 @@ class DirectFile:
 
         ``where`` (e.g. "layer 3 expert 7") is added to error messages.
         """
-        self._check_direct_args(buf, offset, buf.nbytes)
+        self.check_direct_args(buf, offset, buf.nbytes)
         need = buf.nbytes if need is None else need
-        context = f" ({where})" if where else ""
         view, got = memoryview(buf).cast("B"), 0
         while got < buf.nbytes:
             try:
@@ -83,23 +92,19 @@ class DirectFile:
             except OSError as exc:
                 if self.direct_io and exc.errno == errno.EINVAL and not self._io_done:
                     raise _refusal(self.path, "first read") from None
-                raise PackIOError(
-                    f"read error on {self.path} at offset {offset + got}{context}: {exc.strerror or exc}"
-                ) from None
+                raise read_error(self.path, offset + got, where, exc.strerror or str(exc)) from None
             self._io_done = True
             if n <= 0 or (self.direct_io and (got + n) % ALIGNMENT):
                 got += max(n, 0)
                 break
             got += n
         if got < need:
-            raise PackIOError(
-                f"short read from {self.path} at offset {offset}{context}: got {got} of {need} bytes"
-            )
+            raise short_read_error(self.path, offset, where, got, need)
         return got
 
     def write_from(self, buf: np.ndarray, offset: int) -> None:
         """Write all of ``buf`` at ``offset``; ENOSPC is a CapacityError."""
-        self._check_direct_args(buf, offset, buf.nbytes)
+        self.check_direct_args(buf, offset, buf.nbytes)
         view, done = memoryview(buf).cast("B"), 0
         while done < buf.nbytes:
             try:

@@ -5,11 +5,14 @@ fill through its own handle. ``PackSource``: a pack block is one contiguous, ali
 splits into ``read_splits`` aligned sub-reads (``prefetch_pieces``: smaller ones for lookahead reads).
 ``GgufSource``: one piece, the whole expert, read by a ``GgufDirectReader`` (its roles lie apart in the GGUF
 and go through the reader's scratch buffer, so they are not split). ``ReadPool`` runs pieces on a few threads, each with its own handle, demand reads first.
+``ThreadReads`` is the provider's view of a ReadPool over a source; pack mode uses the native pool instead
+(native_reads.NativeReads, the same interface) unless reads go through an injected ``read_fn``.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Callable
 
@@ -229,3 +232,30 @@ class ReadPool:
         self._threads = []
         while self._handles:
             self._handles.pop().close()
+
+
+class ThreadReads:
+    """A source's reads on a ReadPool of Python threads: ``start`` queues a read's pieces (futures)."""
+
+    def __init__(self, source, n_threads: int, max_prefetch: int):
+        self.source = source
+        self._pool = ReadPool(source.open_handle, n_threads, max_prefetch)
+
+    def start(self, key: tuple[int, int], target: np.ndarray, spans, prefetch: bool = False) -> list[Future]:
+        """Queue the pieces ``spans`` ((start, end) in the block) of block ``key``'s read into ``target``."""
+        submit = self._pool.submit_prefetch if prefetch else self._pool.submit
+        return [submit(self.source.read, *key, target, start, end) for start, end in spans]
+
+    def promote(self, piece: Future) -> bool:
+        return self._pool.promote(piece)
+
+    def wait_first(self, pieces, timeout: float | None) -> bool:
+        """Wait until one of ``pieces`` has finished; False after ``timeout`` seconds."""
+        done, _ = futures.wait(pieces, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+        return bool(done) or not pieces
+
+    def wait_all(self, pieces) -> None:
+        futures.wait(pieces)
+
+    def close(self) -> None:
+        self._pool.close()

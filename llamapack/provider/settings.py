@@ -28,7 +28,9 @@ class StreamingSettings:
     is queued or running (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
     n_expert_used); ``prefetch_depth``: guess the next that many served layers (1-8), each from this layer's
     input, so a read can start that many layers before it is needed. Compute always uses the router's real
-    choice.
+    choice. ``native_reads``: pack reads run on libllama's native read pool (C++ threads that never take
+    Python's GIL; see native_reads); False, or GGUF-direct mode, or an injected read function: Python read
+    threads.
     """
 
     cache_vram_mib: float | None = None
@@ -46,6 +48,7 @@ class StreamingSettings:
     prefetch_slots: int = 4
     prefetch_top: int | None = None
     prefetch_depth: int = 1
+    native_reads: bool = True
 
     def __post_init__(self):
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top"):

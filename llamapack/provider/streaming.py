@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from concurrent import futures
 
 import numpy as np
 
@@ -42,7 +41,8 @@ from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
 from .host_tier import HostTier, TierPlan, tier_blocks
 from .prefetch import PrefetchBook, PrefetchEntry
-from .reads import ReadPool, open_source
+from .native_reads import NativeReads
+from .reads import PackSource, ThreadReads, open_source
 from .reference import check_reader_matches_model
 from .settings import StreamingSettings, slot_budget
 from .slots import SlotLayout
@@ -76,6 +76,7 @@ class StreamingProvider:
         self.flusher: StatsFlusher | None = None
         self._reader, self._reads, self._copier, self._ctx, self._closed = reader, None, None, None, False
         self.tier: HostTier | None = None
+        self.native_reads = False
         try:
             self.tensors = native.expert_tensors(model_ptr)
             check_reader_matches_model(reader.layout, self.tensors)
@@ -102,8 +103,9 @@ class StreamingProvider:
             n_pieces = len(self._source.pieces)
             n_threads = min(settings.stage_slots * n_pieces, MAX_READ_THREADS)
             n_prefetch_threads = min(n_lookahead, MAX_READ_THREADS)  # a piece in flight per lookahead buffer
-            self._reads = ReadPool(self._source.open_handle, n_threads + n_prefetch_threads,
-                                   max_prefetch=n_prefetch_threads)
+            self.native_reads = settings.native_reads and isinstance(self._source, PackSource) and read_fn is None
+            engine = NativeReads if self.native_reads else ThreadReads
+            self._reads = engine(self._source, n_threads + n_prefetch_threads, n_prefetch_threads)
             n_buffers += n_lookahead
             host = HostCopier(self.layout.pool_bytes, n_buffers, self._stride) if device < 0 else None
             self._callback = ffi.callback(
@@ -208,7 +210,7 @@ class StreamingProvider:
         the first error is raised.
         """
         free_buffers = deque(range(self.settings.stage_slots))  # staging buffers (no tier)
-        in_flight: dict[int, tuple[SlotAssignment, list[futures.Future]]] = {}  # buffer or block -> its read
+        in_flight: dict[int, tuple[SlotAssignment, list]] = {}  # buffer or block -> its read's pieces
         copied, filled, tier_plan, lookahead = set(), set(), None, {}
         error: BaseException | None = None
         try:
@@ -233,9 +235,8 @@ class StreamingProvider:
                 # only pieces not done: a done piece of a split read would end every wait at once
                 pending = [f for _, pieces in in_flight.values() for f in pieces if not f.done()]
                 with self.counters.timing("read_wait_s"):
-                    done, _ = futures.wait(pending, timeout=self.settings.read_timeout_s,
-                                           return_when=futures.FIRST_COMPLETED) if pending else ((True,), ())
-                if not done:
+                    finished = self._reads.wait_first(pending, self.settings.read_timeout_s)
+                if not finished:
                     error = error or self._abandon_hung_reads(in_flight)
                     in_flight.clear()
                     continue
@@ -259,7 +260,7 @@ class StreamingProvider:
                     if self.tier is None and block not in lookahead:
                         free_buffers.append(block)
         finally:
-            futures.wait([f for _, pieces in in_flight.values() for f in pieces])  # only after an interrupt
+            self._reads.wait_all([f for _, pieces in in_flight.values() for f in pieces])  # only after an interrupt
             with self.counters.timing("copy_wait_s"):
                 self._copier.synchronize()
             for load in loads:
@@ -307,15 +308,12 @@ class StreamingProvider:
                            f"within {self.settings.read_timeout_s:g} s (read_timeout_s); {len(keys)} read(s) "
                            "abandoned")
 
-    def _start_read(self, key: tuple[int, int], buffer: int, prefetch: bool = False) -> list[futures.Future]:
-        target = self._copier.buffers[buffer]  # bound now: memory replaced after a timeout is never written
-        submit = self._reads.submit_prefetch if prefetch else self._reads.submit
-        pieces = self._source.prefetch_pieces if prefetch else self._source.pieces
-        return [submit(self._read_piece, key, buffer, target, start, end) for start, end in pieces]
-
-    def _read_piece(self, handle, key: tuple[int, int], buffer: int, target, start: int, end: int) -> None:
+    def _start_read(self, key: tuple[int, int], buffer: int, prefetch: bool = False) -> list:
+        """Queue the read of block ``key`` into ``buffer``, in pieces (futures, or native_reads.NativeRead)."""
         self._copier.wait_until_free(buffer)  # its previous block's copy has finished
-        self._source.read(handle, *key, target, start, end)
+        target = self._copier.buffers[buffer]  # bound now: memory replaced after a timeout is never written
+        spans = self._source.prefetch_pieces if prefetch else self._source.pieces
+        return self._reads.start(key, target, spans, prefetch)
 
     def _check_read(self, key: tuple[int, int], buffer: int) -> None:
         """Count the SSD read and check the block read (sha256, pack mode)."""
@@ -349,6 +347,7 @@ class StreamingProvider:
                     prefetch_slots=self.settings.prefetch_slots if self.book is not None else 0,
                     prefetch_top=self.settings.prefetch_top,
                     prefetch_depth=self.settings.prefetch_depth if self.book is not None else 0,
+                    read_engine="native" if self.native_reads else "python",
                     **(native.hook_stats(self._ctx) if self._ctx is not None else {}))
 
     def close(self) -> None:
