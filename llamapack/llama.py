@@ -69,7 +69,8 @@ class Llama(llama_cpp.Llama):
                  read_timeout_s: float | None = DEFAULTS.read_timeout_s,
                  ram_cache_mib: float | None = DEFAULTS.ram_cache_mib, prefetch: bool = DEFAULTS.prefetch,
                  prefetch_slots: int = DEFAULTS.prefetch_slots, prefetch_top: int | None = DEFAULTS.prefetch_top,
-                 prefetch_depth: int = DEFAULTS.prefetch_depth, native_reads: bool = DEFAULTS.native_reads,
+                 prefetch_depth: int = DEFAULTS.prefetch_depth, prefetch_in_flight: int | None = DEFAULTS.prefetch_in_flight,
+                 native_reads: bool = DEFAULTS.native_reads,
                  **kwargs):
         self._provider = None
         self.pack_settings = resolve_settings(
@@ -79,7 +80,7 @@ class Llama(llama_cpp.Llama):
             stats_path=None if stats_path is None else os.fspath(stats_path), stats_flush_interval=stats_flush_interval,
             read_timeout_s=read_timeout_s, ram_cache_mib=ram_cache_mib, prefetch=prefetch,
             prefetch_slots=prefetch_slots, prefetch_top=prefetch_top, prefetch_depth=prefetch_depth,
-            native_reads=native_reads)
+            prefetch_in_flight=prefetch_in_flight, native_reads=native_reads)
         if self.pack_settings is None:
             super().__init__(model_path, *args, **kwargs)
             return

@@ -38,6 +38,12 @@ def test_matrix_has_the_side_by_side_runs():
     variants = default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch_depths=(4,), read_splits=(4,))
     assert [(c.name, c.prefetch, c.prefetch_depth, c.read_splits) for c in variants[-2:]] == [
         ("pack-25%+prefetch-d4@8G", True, 4, None), ("pack-25%+split4@8G", False, 1, 4)]
+    more = default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch_in_flights=(1,), ram_fractions=(0.25,),
+                          python_reads=True)
+    assert [(c.name, c.prefetch_in_flight, c.ram_fraction, c.python_reads) for c in more[-6:]] == [
+        ("pack-25%@8G", None, None, False), ("pack-25%+prefetch-c1@8G", 1, None, False),
+        ("pack-25%+ram25%@8G", None, 0.25, False), ("pack-25%+pyreads@8G", None, None, True),
+        ("pack-25%+prefetch-c1+pyreads@8G", 1, None, True), ("pack-25%+ram25%+pyreads@8G", None, 0.25, True)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -79,12 +85,14 @@ def results_by_hand():
         8, ["a", "b"], 1, 0.25, cache_hits=30, cache_misses=10, pack_read_bytes=110 << 20, provide_s=0.2,
         lookahead_keys=40, lookahead_hits=30, prefetch_reads=12, prefetch_used=8, prefetch_wasted=3,
         prefetch_wasted_bytes=10 << 20)])
+    python_threads = dict(config=dict(name="pack-25%+pyreads@8G"), requests=[request(
+        8, ["a", "b"], 1, 1.0, cache_hits=30, cache_misses=10, pack_read_bytes=100 << 20, provide_s=0.8)])
     broken = dict(config=dict(name="gguf-direct-25%@8G"), error="worker exit -9: killed")
     return dict(command="llamapack bench m.gguf", machine=dict(cpus=2), disk=dict(nbytes=1000 << 20, seconds=2.0),
                 model=dict(path="m.gguf", size_bytes=10 ** 9, expert_bytes=9 * 10 ** 8, n_moe_layers=2, n_expert=8,
                            expert_stride=4 << 20),
                 workload=dict(prompt_lengths=[8], n_decode=3, decode_cap_s=5.0, n_ubatch=512),
-                runs=[ref, cpu, pack, ahead, broken])
+                runs=[ref, cpu, pack, ahead, python_threads, broken])
 
 
 def test_the_io_bound_uses_the_faster_disk_probe():
@@ -120,6 +128,8 @@ def test_report_arithmetic_on_hand_built_results(tmp_path):
     assert ahead.lookahead["misses_read_ahead"] == 0.8 and ahead.lookahead["wasted_bytes_per_token"] == 10 << 20
     # decode 4 tok/s against 2 without prefetch; 75% predicted, 8 of 10 misses read ahead, 10 MiB wasted/token
     assert "| pack-25%+prefetch@8G | 2.00x | 75.0% | 80.0% | 10.00 |" in text
+    # decode 2 tok/s on the native pool against 1 on Python threads
+    assert "| pack-25%@8G | 2.00 | 1.00 | 2.00x |" in text
 
 
 def test_digests_of_other_prompts_are_not_compared():

@@ -48,6 +48,10 @@ def has_gpu() -> bool:
               help="Add limited pack runs that guess each of these many layers ahead (+prefetch-dD; comma-separated).")
 @click.option("--read-splits", "read_splits", callback=_numbers(int), default="",
               help="Add limited pack runs reading each expert in this many parallel pieces (+splitN; comma-separated).")
+@click.option("--prefetch-in-flight", "prefetch_in_flights", callback=_numbers(int), default="",
+              help="Add limited pack runs reading at most this many lookahead pieces at once (+prefetch-cN).")
+@click.option("--ram-fractions", "ram_fractions", callback=_numbers(float), default="",
+              help="Add limited pack runs with a host-RAM tier of these shares of the experts (+ramR%), e.g. 0.25.")
 @click.option("--python-reads", is_flag=True,
               help="Add a twin of each limited pack run that reads on Python threads, not the native pool (+pyreads).")
 @click.option("--prompt-lengths", callback=_numbers(int), default="32,512", show_default=True)
@@ -63,13 +67,14 @@ def has_gpu() -> bool:
 @click.option("--patched-lib", type=click.Path(file_okay=False), help="Folder of the patched libllama for pack runs.")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_gguf_direct, ram_tier, prefetch,
-                  prefetch_tops, prefetch_depths, read_splits, python_reads,
+                  prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, python_reads,
                   prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
                             gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch,
                             prefetch_tops=prefetch_tops or (), prefetch_depths=prefetch_depths or (),
-                            read_splits=read_splits or (), python_reads=python_reads)
+                            read_splits=read_splits or (), prefetch_in_flights=prefetch_in_flights or (),
+                            ram_fractions=ram_fractions or (), python_reads=python_reads)
     try:
         configs = select(matrix, names.split(",") if names else None)
     except ValueError as exc:

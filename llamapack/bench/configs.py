@@ -32,6 +32,7 @@ class BenchConfig:
     prefetch: bool = False
     prefetch_top: int | None = None
     prefetch_depth: int = 1
+    prefetch_in_flight: int | None = None
     read_splits: int | None = None
     python_reads: bool = False
     memory_limit_mib: int | None = None
@@ -77,7 +78,7 @@ def percent(fraction: float) -> str:
 def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 0.5), *, gpu: bool = True,
                    gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False,
                    prefetch: bool = False, prefetch_tops=(), prefetch_depths=(), read_splits=(),
-                   python_reads: bool = False) -> list[BenchConfig]:
+                   prefetch_in_flights=(), ram_fractions=(), python_reads: bool = False) -> list[BenchConfig]:
     """The side-by-side set, reference first.
 
     ``memory_limit_mib`` None leaves out the limited runs (a machine without cgroup v2). ``full_cache`` adds
@@ -86,7 +87,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
     ``prefetch`` adds, beside each limited pack run, the same run with router lookahead (``+prefetch``), and
     each r of ``prefetch_tops`` one that prefetches only each token's best r guesses (``+prefetch-top{r}``),
     each d of ``prefetch_depths`` one that guesses d layers ahead (``+prefetch-d{d}``), and each n of
-    ``read_splits`` one that reads each expert in n parallel pieces, without prefetch (``+split{n}``). With
+    ``read_splits`` one that reads each expert in n parallel pieces, without prefetch (``+split{n}``), each c
+    of ``prefetch_in_flights`` one that reads at most c lookahead pieces at once (``+prefetch-c{c}``), each r
+    of ``ram_fractions`` one with a host-RAM tier holding that share of the experts (``+ram{r}``: the spare
+    RAM of the low-RAM case, under the same limit). With
     ``python_reads`` each limited pack run gets a twin reading on Python threads (``+pyreads``).
     Without a GPU (``gpu=False``) the reference runs with repacking off, as a host slot pool does, so that
     its logits can be compared exactly. Under a memory limit the ``--cpu-moe`` run cannot repack (repacking copies every expert into RAM,
@@ -110,6 +114,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
                                 prefetch_depth=d) for d in prefetch_depths]
         limited += [BenchConfig(f"pack-{percent(f)}+split{n}", source=PACK, vram_fraction=f, read_splits=n)
                     for n in read_splits]
+        limited += [BenchConfig(f"pack-{percent(f)}+prefetch-c{c}", source=PACK, vram_fraction=f, prefetch=True,
+                                prefetch_in_flight=c) for c in prefetch_in_flights]
+        limited += [BenchConfig(f"pack-{percent(f)}+ram{percent(r)}", source=PACK, vram_fraction=f, ram_fraction=r)
+                    for r in ram_fractions]
     if python_reads:
         limited += [replace(c, name=f"{c.name}+pyreads", python_reads=True) for c in limited if c.source == PACK]
     if gguf_direct:

@@ -190,7 +190,7 @@ def markdown(results: dict) -> str:
                   "| lookahead reads: used / started / cancelled unread |",
                   "|---|---|---|---|---|---|"]
         for row in with_lookahead:
-            base = by_name.get(re.sub(r"\+prefetch(-top\d+|-d\d+)?", "", row.name))
+            base = by_name.get(re.sub(r"\+prefetch(-top\d+|-d\d+|-c\d+)?", "", row.name))
             speedup = row.decode_tok_s / base.decode_tok_s if base and base.decode_tok_s and row.decode_tok_s else None
             la = row.lookahead
             lines.append(f"| {row.name} | {_f(speedup)}x | {_f(la['accuracy'], '.1%')} | "

@@ -44,7 +44,7 @@ def load(spec: dict, config: BenchConfig):
     extra = {} if config.ram_fraction is None else dict(ram_cache_mib=config.ram_cache_mib(spec["expert_bytes"]))
     if config.prefetch:
         extra.update(prefetch=True, prefetch_top=config.prefetch_top, prefetch_depth=config.prefetch_depth,
-                     prefetch_slots=4 * config.prefetch_depth)
+                     prefetch_slots=4 * config.prefetch_depth, prefetch_in_flight=config.prefetch_in_flight)
     source = dict(gguf_direct=True) if config.source == "gguf_direct" else dict(pack=spec.get("pack") or True)
     read_splits = config.read_splits if config.read_splits is not None else spec.get("read_splits", 1)
     return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
@@ -123,7 +123,8 @@ def run(spec: dict) -> dict:
         llm.close()
     return dict(config=config.as_dict(), load_s=load_s, requests=requests,
                 provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots",
-                                          "prefetch_top", "prefetch_depth", "read_engine") if k in pack},
+                                          "prefetch_top", "prefetch_depth", "prefetch_in_flight", "read_engine")
+                                          if k in pack},
                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 

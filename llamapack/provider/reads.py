@@ -24,7 +24,7 @@ from ..pack.odirect import ReadFn
 
 
 # a lookahead read is split in pieces of at most this (pack mode): a demand read that arrives while lookahead
-# reads run shares the disk with their pieces in flight only (prefetch_slots of them at most)
+# reads run shares the disk with their pieces in flight only (prefetch_in_flight of them at most)
 PREFETCH_PIECE_BYTES = 512 << 10
 
 

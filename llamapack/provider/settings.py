@@ -27,8 +27,9 @@ class StreamingSettings:
     pick from this layer's input, into ``prefetch_slots`` buffers of their own, only while no demand read
     is queued or running (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
     n_expert_used); ``prefetch_depth``: guess the next that many served layers (1-8), each from this layer's
-    input, so a read can start that many layers before it is needed. Compute always uses the router's real
-    choice. ``native_reads``: pack reads run on libllama's native read pool (C++ threads that never take
+    input, so a read can start that many layers before it is needed; ``prefetch_in_flight``: at most that
+    many lookahead pieces read at once (None: one per lookahead buffer), which bounds what a demand read
+    arriving meanwhile shares the disk with. Compute always uses the router's real choice. ``native_reads``: pack reads run on libllama's native read pool (C++ threads that never take
     Python's GIL; see native_reads); False, or GGUF-direct mode, or an injected read function: Python read
     threads.
     """
@@ -48,10 +49,12 @@ class StreamingSettings:
     prefetch_slots: int = 4
     prefetch_top: int | None = None
     prefetch_depth: int = 1
+    prefetch_in_flight: int | None = None
     native_reads: bool = True
 
     def __post_init__(self):
-        for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top"):
+        for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top",
+                     "prefetch_in_flight"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if not 1 <= self.prefetch_depth <= MAX_LOOKAHEAD:

@@ -76,7 +76,7 @@ class StreamingProvider:
         self.flusher: StatsFlusher | None = None
         self._reader, self._reads, self._copier, self._ctx, self._closed = reader, None, None, None, False
         self.tier: HostTier | None = None
-        self.native_reads = False
+        self.native_reads, self._prefetch_threads = False, 0
         try:
             self.tensors = native.expert_tensors(model_ptr)
             check_reader_matches_model(reader.layout, self.tensors)
@@ -102,10 +102,12 @@ class StreamingProvider:
             self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead guessed for it
             n_pieces = len(self._source.pieces)
             n_threads = min(settings.stage_slots * n_pieces, MAX_READ_THREADS)
-            n_prefetch_threads = min(n_lookahead, MAX_READ_THREADS)  # a piece in flight per lookahead buffer
+            # lookahead pieces in flight: one per lookahead buffer, or fewer (prefetch_in_flight)
+            n_prefetch_threads = min(n_lookahead, settings.prefetch_in_flight or n_lookahead, MAX_READ_THREADS)
             self.native_reads = settings.native_reads and isinstance(self._source, PackSource) and read_fn is None
             engine = NativeReads if self.native_reads else ThreadReads
             self._reads = engine(self._source, n_threads + n_prefetch_threads, n_prefetch_threads)
+            self._prefetch_threads = n_prefetch_threads
             n_buffers += n_lookahead
             host = HostCopier(self.layout.pool_bytes, n_buffers, self._stride) if device < 0 else None
             self._callback = ffi.callback(
@@ -347,6 +349,7 @@ class StreamingProvider:
                     prefetch_slots=self.settings.prefetch_slots if self.book is not None else 0,
                     prefetch_top=self.settings.prefetch_top,
                     prefetch_depth=self.settings.prefetch_depth if self.book is not None else 0,
+                    prefetch_in_flight=self._prefetch_threads,
                     read_engine="native" if self.native_reads else "python",
                     **(native.hook_stats(self._ctx) if self._ctx is not None else {}))
 
