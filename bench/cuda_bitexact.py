@@ -65,21 +65,23 @@ def case(preset, provider, source, n_ubatch, n_prompt, n_slots, n_expert, want, 
                 argmax_agree=float((got.argmax(1) == want.argmax(1)).mean()),
                 cache_misses=stats["cache_misses"], cache_evictions=stats["cache_evictions"],
                 prefetch_used=stats.get("prefetch_used", 0), lookahead_accuracy=stats.get("lookahead_accuracy"),
-                seconds=round(seconds, 1))
+                read_engine=stats.get("read_engine", "-"), seconds=round(seconds, 1))
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions | misses read ahead |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions | misses read ahead | reads on |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['preset']} | {r.get('provider', 'reference')} | {r.get('source', 'gguf')} | {r['n_ubatch']} | {r['n_slots']}/{r['n_expert']} | {r['bit_exact']} | "
                      f"{r['patched_no_provider_bit_exact']} | {r['max_abs_diff']:.3g} | {r['rows_differing']}/{r['rows']} | "
-                     f"{r['cache_misses']} | {r['cache_evictions']} | {r.get('prefetch_used', 0)} |")
+                     f"{r['cache_misses']} | {r['cache_evictions']} | {r.get('prefetch_used', 0)} | {r.get('read_engine', '-')} |")
     return "\n".join(lines) + "\n"
 
 
 def streaming_settings(args) -> dict:
     settings = dict(ram_cache_mib=args.ram_cache_mib) if args.ram_cache_mib else {}
+    if args.prefetch_in_flight:
+        settings["prefetch_in_flight"] = args.prefetch_in_flight
     if args.prefetch_depth > 1:
         return dict(settings, prefetch=True, prefetch_depth=args.prefetch_depth, prefetch_slots=4 * args.prefetch_depth)
     return dict(settings, prefetch=True) if args.prefetch else settings
@@ -100,6 +102,7 @@ def main() -> int:
     parser.add_argument("--prefetch", action="store_true", help="streaming provider: router-lookahead prefetch")
     parser.add_argument("--prefetch-depth", type=int, default=1,
                         help="streaming provider: prefetch guessing this many layers ahead (implies --prefetch)")
+    parser.add_argument("--prefetch-in-flight", type=int, help="streaming provider: lookahead pieces read at once")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
     args = parser.parse_args()
     results = []

@@ -8,6 +8,9 @@
 #   then bench with PREFETCH=1 (adds the +prefetch runs); TEMPERATURE=1 samples instead of greedy decoding;
 #   PREFETCH_DEPTHS=4,8 and READ_SPLITS=4 add +prefetch-dD and +splitN runs
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round3", ...)  # #9 third round: see below
+#   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round4", ...)  # #9 fourth round: see below
+#   bench also takes PREFETCH_IN_FLIGHT=1 (+prefetch-cN runs), RAM_FRACTIONS=0.25 (+ramR% under the limit) and
+#   PYTHON_READS=1 (+pyreads twins of the limited pack runs)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -70,12 +73,22 @@ round3)  # #9, third round: build, CUDA bit-exact at lookahead depth DEPTH (defa
     wait_for_model
     python3 bench/disk_queue_depth.py "${model%.gguf}.expert-pack" --out "$out/disk_queue_depth.json" 2>&1
     ;;
+round4)  # #9, fourth round: build, CUDA bit-exact with pack reads on the native read pool, without and with
+        # lookahead (one lookahead piece in flight), then the model and its pack
+    start_model "${SKEW:-0}"
+    build_cuda
+    bitexact cuda_bitexact_native_reads.json
+    bitexact cuda_bitexact_native_prefetch.json --prefetch --prefetch-in-flight 1
+    wait_for_model
+    ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
     results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
         --decode-cap-s "${DECODE_CAP_S:-20}" --temperature "${TEMPERATURE:-0}" ${RAM_TIER:+--ram-tier} \
         ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} \
-        ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} \
+        ${PREFETCH_IN_FLIGHT:+--prefetch-in-flight $PREFETCH_IN_FLIGHT} ${RAM_FRACTIONS:+--ram-fractions $RAM_FRACTIONS} \
+        ${PYTHON_READS:+--python-reads} ${CONFIGS:+--configs $CONFIGS} 2>&1
     ;;
 esac
