@@ -31,7 +31,10 @@ start_model() {
     synth=$!
 }
 wait_for_model() { wait "$synth"; tail -3 "$out/synth.log"; }
-build_cuda() { LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build; tail -3 "$out/machine.txt"; }
+build_cuda() {  # a failed build ends the stage (nothing after it could run)
+    LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build || { grep -m5 error "$out/build.log"; exit 1; }
+    tail -3 "$out/machine.txt"
+}
 # CUDA bit-exactness of the streaming provider, GGUF-direct and pack, n_ubatch 1 and 512: bitexact OUT.json [ARGS]
 bitexact() {
     local json="$1"; shift
