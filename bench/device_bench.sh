@@ -10,7 +10,7 @@
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round3", ...)  # #9 third round: see below
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round4", ...)  # #9 fourth round: see below
 #   bench also takes PREFETCH_IN_FLIGHT=1 (+prefetch-cN runs), RAM_FRACTIONS=0.25 (+ramR% under the limit) and
-#   PYTHON_READS=1 (+pyreads twins of the limited pack runs)
+#   READ_ENGINES=1 (+native and +pyreads twins of the limited pack runs)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -92,6 +92,6 @@ bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after 
         ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} \
         ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} \
         ${PREFETCH_IN_FLIGHT:+--prefetch-in-flight $PREFETCH_IN_FLIGHT} ${RAM_FRACTIONS:+--ram-fractions $RAM_FRACTIONS} \
-        ${PYTHON_READS:+--python-reads} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${READ_ENGINES:+--read-engines} ${CONFIGS:+--configs $CONFIGS} 2>&1
     ;;
 esac

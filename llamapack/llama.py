@@ -70,7 +70,7 @@ class Llama(llama_cpp.Llama):
                  ram_cache_mib: float | None = DEFAULTS.ram_cache_mib, prefetch: bool = DEFAULTS.prefetch,
                  prefetch_slots: int = DEFAULTS.prefetch_slots, prefetch_top: int | None = DEFAULTS.prefetch_top,
                  prefetch_depth: int = DEFAULTS.prefetch_depth, prefetch_in_flight: int | None = DEFAULTS.prefetch_in_flight,
-                 native_reads: bool = DEFAULTS.native_reads,
+                 native_reads: bool | None = DEFAULTS.native_reads,
                  **kwargs):
         self._provider = None
         self.pack_settings = resolve_settings(

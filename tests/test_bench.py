@@ -39,11 +39,13 @@ def test_matrix_has_the_side_by_side_runs():
     assert [(c.name, c.prefetch, c.prefetch_depth, c.read_splits) for c in variants[-2:]] == [
         ("pack-25%+prefetch-d4@8G", True, 4, None), ("pack-25%+split4@8G", False, 1, 4)]
     more = default_matrix(16, 8192, (0.25,), gguf_direct=False, prefetch_in_flights=(1,), ram_fractions=(0.25,),
-                          python_reads=True)
-    assert [(c.name, c.prefetch_in_flight, c.ram_fraction, c.python_reads) for c in more[-6:]] == [
-        ("pack-25%@8G", None, None, False), ("pack-25%+prefetch-c1@8G", 1, None, False),
-        ("pack-25%+ram25%@8G", None, 0.25, False), ("pack-25%+pyreads@8G", None, None, True),
-        ("pack-25%+prefetch-c1+pyreads@8G", 1, None, True), ("pack-25%+ram25%+pyreads@8G", None, 0.25, True)]
+                          read_engines=True)
+    assert [(c.name, c.prefetch_in_flight, c.ram_fraction, c.native_reads) for c in more[-9:]] == [
+        ("pack-25%@8G", None, None, None), ("pack-25%+prefetch-c1@8G", 1, None, None),
+        ("pack-25%+ram25%@8G", None, 0.25, None), ("pack-25%+native@8G", None, None, True),
+        ("pack-25%+prefetch-c1+native@8G", 1, None, True), ("pack-25%+ram25%+native@8G", None, 0.25, True),
+        ("pack-25%+pyreads@8G", None, None, False), ("pack-25%+prefetch-c1+pyreads@8G", 1, None, False),
+        ("pack-25%+ram25%+pyreads@8G", None, 0.25, False)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -52,9 +54,9 @@ def test_matrix_has_the_side_by_side_runs():
     (dict(vram_fraction=0.5), "vram_fraction"),
     (dict(source="pack", vram_fraction=1.5), "must be in"),
     (dict(source="pack", vram_fraction=0.5, cpu_moe=True), "cpu_moe"),
-    (dict(prefetch=True), "prefetch, read_splits and python_reads are llamapack settings"),
-    (dict(read_splits=4), "prefetch, read_splits and python_reads are llamapack settings"),
-    (dict(python_reads=True), "prefetch, read_splits and python_reads are llamapack settings"),
+    (dict(prefetch=True), "prefetch, read_splits and native_reads are llamapack settings"),
+    (dict(read_splits=4), "prefetch, read_splits and native_reads are llamapack settings"),
+    (dict(native_reads=False), "prefetch, read_splits and native_reads are llamapack settings"),
     (dict(source="pack", vram_fraction=0.5, prefetch=True, prefetch_depth=9), "prefetch_depth must be in"),
 ])
 def test_bad_configs_are_refused(kwargs, message):

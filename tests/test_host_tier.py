@@ -159,6 +159,7 @@ def test_logits_equal_vanilla_with_a_ram_tier(preset, source, models, vanilla, t
     assert stats["ram_hits"] > 0 and stats["ram_evictions"] > 0  # both levels really stream
     assert stats["ram_evictions"] == stats["ram_misses"] - blocks
     assert stats["h2d_bytes"] == 0 and stats["tokens"] == N_PROMPT + N_DECODE
+    assert stats["read_engine"] == ("native" if source == "pack" else "python")  # the default with a RAM tier
 
 
 @pytest.mark.parametrize("source, tier", [("pack", "all"), ("gguf", "all"), ("pack", 24)])

@@ -68,11 +68,12 @@ def test_prefetch_keeps_logits_bit_exact(preset, n_ubatch, source, models, vanil
           f"{stats['prefetch_used']}/{stats['cache_misses']} misses read ahead, {stats['prefetch_wasted']} wasted")
 
 
-@pytest.mark.parametrize("native_reads", [True, False])
+@pytest.mark.parametrize("native_reads", [True, False, None])  # None: the default, native with prefetch
 @pytest.mark.parametrize("preset,n_ubatch", [("qwen3moe-tiny", 7), ("deepseek2-tiny", 1)])
 def test_pack_reads_on_either_engine_with_one_lookahead_piece_in_flight(preset, n_ubatch, native_reads, models,
                                                                          vanilla, tmp_path):
-    """Pack mode reads on the native pool by default; native_reads=False puts the same reads on Python threads."""
+    """With prefetch, pack mode reads on the native pool by default; native_reads=False puts the same reads on
+    Python threads."""
     from hookutil import logits, smallest_pool
 
     gguf, pack = models[preset]
@@ -82,7 +83,7 @@ def test_pack_reads_on_either_engine_with_one_lookahead_piece_in_flight(preset, 
                                    native_reads=native_reads))
     got, stats = logits(spec, tmp_path)
     assert np.array_equal(got, vanilla(preset, n_ubatch)), f"max |diff| = {np.abs(got - vanilla(preset, n_ubatch)).max()}"
-    assert stats["read_engine"] == ("native" if native_reads else "python") and stats["prefetch_in_flight"] == 1
+    assert stats["read_engine"] == ("python" if native_reads is False else "native") and stats["prefetch_in_flight"] == 1
     assert stats["io_errors"] == 0 and 0 < stats["prefetch_used"] <= stats["cache_misses"]
     assert stats["pack_read_bytes"] == stats["cache_misses"] * stride_of(pack) + stats["prefetch_wasted_bytes"]
 

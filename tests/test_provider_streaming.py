@@ -170,20 +170,21 @@ def source_spec(models, preset: str, source: str) -> dict:
     return dict(pack=True, serve_from=str(models[preset][1])) if source == "pack" else {}
 
 
-@pytest.mark.parametrize("source", ["pack", "gguf"])
+@pytest.mark.parametrize("source", ["pack", "pack-native", "gguf"])
 @pytest.mark.parametrize("n_ubatch", [1, 7])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_streaming_logits_equal_vanilla(preset, n_ubatch, source, models, vanilla, tmp_path):
-    from hookutil import logits
-
-    from hookutil import smallest_pool
+    from hookutil import logits, smallest_pool
 
     n_slots = smallest_pool(preset, n_ubatch)
+    native = source == "pack-native"  # the native read pool (the default for plain pack reads is Python threads)
     spec = spec_for(models[preset][0], n_ubatch, tmp_path / "s.npy", provider="streaming", n_slots=n_slots,
-                    streaming=dict(stage_slots=3, read_splits=2), **source_spec(models, preset, source))
+                    streaming=dict(stage_slots=3, read_splits=2, **(dict(native_reads=True) if native else {})),
+                    **source_spec(models, preset, "pack" if native else source))
     got, stats = logits(spec, tmp_path)
     want = vanilla(preset, n_ubatch)
     assert np.array_equal(got, want), f"max |diff| = {np.abs(got - want).max()}"
+    assert stats["read_engine"] == ("native" if native else "python")
     assert stats["n_slots"] == n_slots and stats["io_errors"] == 0
     assert stats["cache_evictions"] >= stats["acquires"] // 2  # every step evicts: the cache really streams
     assert stats["tokens"] == N_PROMPT + N_DECODE and stats["h2d_bytes"] == 0 and stats["read_wait_s"] > 0
@@ -217,7 +218,8 @@ def traced_runs(models, tmp_path_factory):
     for source in ("pack", "gguf"):
         out = folder / f"{source}.npy"
         result = run_self(spec_for(models["qwen3moe-tiny"][0], 7, out, n_slots=16, provider="streaming",
-                                   streaming=dict(stage_slots=4, read_splits=3), native_reads=source == "pack",
+                                   streaming=dict(stage_slots=4, read_splits=3, native_reads=source == "pack"),
+                                   native_reads=source == "pack",
                                    **source_spec(models, "qwen3moe-tiny", source)), folder)
         runs[source] = result, np.load(out)
     return runs
@@ -355,7 +357,7 @@ def test_native_short_read_fails_the_decode_then_recovers(models, traced_runs, v
         offset = reader.layout.block_offset(layer, experts[0])
     spec = spec_for(gguf, 7, tmp_path / "n.npy", n_slots=16, provider="streaming", eval_first=True,
                     native_reads=True, truncate_at=offset + 4096, restore_from=str(pack), pack=True,
-                    serve_from=str(serving), streaming=dict(stage_slots=4, read_splits=1))
+                    serve_from=str(serving), streaming=dict(stage_slots=4, read_splits=1, native_reads=True))
     result = run_self(spec, tmp_path)
     assert "init_error" not in result, result["init_error"]
     assert result["stats"]["read_engine"] == "native"

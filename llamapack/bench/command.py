@@ -52,8 +52,8 @@ def has_gpu() -> bool:
               help="Add limited pack runs reading at most this many lookahead pieces at once (+prefetch-cN).")
 @click.option("--ram-fractions", "ram_fractions", callback=_numbers(float), default="",
               help="Add limited pack runs with a host-RAM tier of these shares of the experts (+ramR%), e.g. 0.25.")
-@click.option("--python-reads", is_flag=True,
-              help="Add a twin of each limited pack run that reads on Python threads, not the native pool (+pyreads).")
+@click.option("--read-engines", is_flag=True,
+              help="Add twins of each limited pack run reading on the native pool (+native) and on Python threads (+pyreads).")
 @click.option("--prompt-lengths", callback=_numbers(int), default="32,512", show_default=True)
 @click.option("-n", "--n-decode", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--decode-cap-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
@@ -67,14 +67,14 @@ def has_gpu() -> bool:
 @click.option("--patched-lib", type=click.Path(file_okay=False), help="Folder of the patched libllama for pack runs.")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_gguf_direct, ram_tier, prefetch,
-                  prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, python_reads,
+                  prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
                   prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
                             gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch,
                             prefetch_tops=prefetch_tops or (), prefetch_depths=prefetch_depths or (),
                             read_splits=read_splits or (), prefetch_in_flights=prefetch_in_flights or (),
-                            ram_fractions=ram_fractions or (), python_reads=python_reads)
+                            ram_fractions=ram_fractions or (), read_engines=read_engines)
     try:
         configs = select(matrix, names.split(",") if names else None)
     except ValueError as exc:

@@ -20,8 +20,8 @@ class BenchConfig:
     ``cpu_moe``: vanilla with routed experts in host memory, computed on the CPU. ``repack``: llama.cpp's
     CPU weight repacking (``use_extra_bufts``; off means the experts stay mmapped). ``vram_fraction``: the
     expert cache's share of all routed experts (pack modes). ``memory_limit_mib``: a cgroup ``memory.max``
-    the run is held to (None: no limit). ``prefetch``: router lookahead (pack modes). ``python_reads``: pack reads on
-    Python threads instead of the native read pool. ``reference``: the run other runs' logits are compared with."""
+    the run is held to (None: no limit). ``prefetch``: router lookahead (pack modes). ``native_reads``: pack reads on
+    the native read pool (True) or Python threads (False); None: the provider's default. ``reference``: the run other runs' logits are compared with."""
 
     name: str
     source: str = VANILLA
@@ -34,7 +34,7 @@ class BenchConfig:
     prefetch_depth: int = 1
     prefetch_in_flight: int | None = None
     read_splits: int | None = None
-    python_reads: bool = False
+    native_reads: bool | None = None
     memory_limit_mib: int | None = None
     n_threads: int = 4
     n_gpu_layers: int = 99
@@ -45,8 +45,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: unknown source {self.source!r}")
         if (self.source == VANILLA) == (self.vram_fraction is not None):
             raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
-        if (self.prefetch or self.read_splits is not None or self.python_reads) and self.source == VANILLA:
-            raise ValueError(f"{self.name}: prefetch, read_splits and python_reads are llamapack settings")
+        if (self.prefetch or self.read_splits is not None or self.native_reads is not None) and self.source == VANILLA:
+            raise ValueError(f"{self.name}: prefetch, read_splits and native_reads are llamapack settings")
         if self.cpu_moe and self.source != VANILLA:
             raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
         if not 1 <= self.prefetch_depth <= 8 or (self.read_splits is not None and self.read_splits < 1):
@@ -78,7 +78,7 @@ def percent(fraction: float) -> str:
 def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 0.5), *, gpu: bool = True,
                    gguf_direct: bool = True, full_cache: bool = True, ram_tier: bool = False,
                    prefetch: bool = False, prefetch_tops=(), prefetch_depths=(), read_splits=(),
-                   prefetch_in_flights=(), ram_fractions=(), python_reads: bool = False) -> list[BenchConfig]:
+                   prefetch_in_flights=(), ram_fractions=(), read_engines: bool = False) -> list[BenchConfig]:
     """The side-by-side set, reference first.
 
     ``memory_limit_mib`` None leaves out the limited runs (a machine without cgroup v2). ``full_cache`` adds
@@ -91,7 +91,8 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
     of ``prefetch_in_flights`` one that reads at most c lookahead pieces at once (``+prefetch-c{c}``), each r
     of ``ram_fractions`` one with a host-RAM tier holding that share of the experts (``+ram{r}``: the spare
     RAM of the low-RAM case, under the same limit). With
-    ``python_reads`` each limited pack run gets a twin reading on Python threads (``+pyreads``).
+    ``read_engines`` each limited pack run gets two twins: reading on the native pool (``+native``) and on Python
+    threads (``+pyreads``).
     Without a GPU (``gpu=False``) the reference runs with repacking off, as a host slot pool does, so that
     its logits can be compared exactly. Under a memory limit the ``--cpu-moe`` run cannot repack (repacking copies every expert into RAM,
     which the limit does not hold): it runs with the experts mmapped, as ``--no-repack`` does.
@@ -118,8 +119,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
                                 prefetch_in_flight=c) for c in prefetch_in_flights]
         limited += [BenchConfig(f"pack-{percent(f)}+ram{percent(r)}", source=PACK, vram_fraction=f, ram_fraction=r)
                     for r in ram_fractions]
-    if python_reads:
-        limited += [replace(c, name=f"{c.name}+pyreads", python_reads=True) for c in limited if c.source == PACK]
+    if read_engines:
+        packed = [c for c in limited if c.source == PACK]
+        limited += [replace(c, name=f"{c.name}+{suffix}", native_reads=native) for native, suffix in
+                    ((True, "native"), (False, "pyreads")) for c in packed]
     if gguf_direct:
         limited += [BenchConfig(f"gguf-direct-{percent(f)}", source=GGUF_DIRECT, vram_fraction=f) for f in fractions]
     if memory_limit_mib is not None:

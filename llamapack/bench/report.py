@@ -197,11 +197,11 @@ def markdown(results: dict) -> str:
                          f"{_f(la['misses_read_ahead'], '.1%')} | {_f(la['wasted_bytes_per_token'], '.2f', 1 / MIB)} | "
                          f"{la['used']} / {la['reads']} / {la.get('cancelled', 0)} |")
     python_twins = [row for row in rows if row.ok and "+pyreads" in row.name]
-    if python_twins:
+    if python_twins:  # against the +native twin (or, in results from before the twins, the run without a suffix)
         lines += ["", "## Native read pool vs Python read threads (decode)", "",
                   "| run | native tok/s | Python threads tok/s | native vs Python |", "|---|---|---|---|"]
         for row in python_twins:
-            native_row = by_name.get(row.name.replace("+pyreads", ""))
+            native_row = by_name.get(row.name.replace("+pyreads", "+native")) or by_name.get(row.name.replace("+pyreads", ""))
             speedup = (native_row.decode_tok_s / row.decode_tok_s
                        if native_row and native_row.decode_tok_s and row.decode_tok_s else None)
             lines.append(f"| {row.name.replace('+pyreads', '')} | {_f(native_row.decode_tok_s if native_row else None)} "

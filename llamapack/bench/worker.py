@@ -48,7 +48,7 @@ def load(spec: dict, config: BenchConfig):
     source = dict(gguf_direct=True) if config.source == "gguf_direct" else dict(pack=spec.get("pack") or True)
     read_splits = config.read_splits if config.read_splits is not None else spec.get("read_splits", 1)
     return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
-                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=not config.python_reads,
+                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=config.native_reads,
                  **extra, **params)
 
 

@@ -26,13 +26,13 @@ QUEUED, RUNNING, DONE, FAILED, CANCELLED = range(5)  # enum llama_expert_read_st
 
 
 class NativeRead:
-    """One queued pread of ``target`` (a view kept alive, with its memory, until the read has finished)."""
+    """One queued pread into ``target`` (kept alive, with its memory, until the read has finished)."""
 
     __slots__ = ("_reads", "id", "_target", "_offset", "_nbytes", "_where", "_state", "_error", "_bytes")
 
-    def __init__(self, reads: "NativeReads", read_id: int, target: np.ndarray, offset: int, where: str):
+    def __init__(self, reads: "NativeReads", read_id: int, target: np.ndarray, offset: int, nbytes: int, where: str):
         self._reads, self.id, self._target, self._offset, self._where = reads, read_id, target, offset, where
-        self._nbytes = target.nbytes
+        self._nbytes = nbytes
         self._state, self._error, self._bytes = QUEUED, 0, 0
 
     def _refresh(self) -> int:
@@ -93,6 +93,7 @@ class NativeReads:
         self._file = source.open_handle()
         self._align = ALIGNMENT if self._file.direct_io else 0
         self._orphans: list[tuple[int, object]] = []  # (id, target) of reads dropped before they finished
+        self._status = native.ffi.new("struct llama_expert_read_status *")  # the compute thread's only
         self._pool = self._lib.llama_expert_read_pool_new(n_threads, max_prefetch)
         if self._pool == native.ffi.NULL:
             self._pool = None
@@ -105,17 +106,20 @@ class NativeReads:
         layer, expert = key
         where = f"layer {layer} expert {expert}"
         base = self.source.layout.block_offset(layer, expert)
+        address = target.ctypes.data  # once: numpy's ctypes attribute costs microseconds
         self._sweep_orphans()
         pieces = []
         for start, end in spans:
-            view, offset = target[start:end], base + start
-            self._file.check_direct_args(view, offset, view.nbytes)
+            offset, nbytes = base + start, end - start
+            if self._align and ((address + start) % self._align or offset % self._align or nbytes % self._align):
+                raise PackIOError(f"{self.path}: O_DIRECT read of {nbytes} bytes at offset {offset} into "
+                                  f"0x{address + start:x} is not {self._align}-aligned ({where})")
             read_id = -1 if self._pool is None else self._lib.llama_expert_read_submit(
-                self._pool, self._file.fd, native.ffi.cast("void *", view.ctypes.data), offset, view.nbytes,
-                self._align, prefetch)
+                self._pool, self._file.fd, native.ffi.cast("void *", address + start), offset, nbytes, self._align,
+                prefetch)
             if read_id < 0:
                 raise PackIOError(f"{self.path}: the read pool is closed ({where})")
-            pieces.append(NativeRead(self, read_id, view, offset, where))
+            pieces.append(NativeRead(self, read_id, target, offset, nbytes, where))
         return pieces
 
     def promote(self, piece: NativeRead) -> bool:
@@ -126,7 +130,7 @@ class NativeReads:
 
     def status(self, read_id: int) -> tuple[int, int, int] | None:
         """(state, errno, bytes read), or None once the pool forgot the read (released and finished, or closed)."""
-        out = native.ffi.new("struct llama_expert_read_status *")
+        out = self._status
         if self._pool is None or self._lib.llama_expert_read_get_status(self._pool, read_id, out) != 0:
             return None
         return out.state, out.error, out.bytes

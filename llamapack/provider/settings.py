@@ -30,8 +30,9 @@ class StreamingSettings:
     input, so a read can start that many layers before it is needed; ``prefetch_in_flight``: at most that
     many lookahead pieces read at once (None: one per lookahead buffer), which bounds what a demand read
     arriving meanwhile shares the disk with. Compute always uses the router's real choice. ``native_reads``: pack reads run on libllama's native read pool (C++ threads that never take
-    Python's GIL; see native_reads); False, or GGUF-direct mode, or an injected read function: Python read
-    threads.
+    Python's GIL; see native_reads) or, False, on Python threads; None: the native pool with ``prefetch`` or a
+    RAM tier, Python threads otherwise (what measured faster on the H200: bench/results/gpu_prefetch_README.md,
+    fourth round). GGUF-direct mode and an injected read function always read on Python threads.
     """
 
     cache_vram_mib: float | None = None
@@ -50,7 +51,7 @@ class StreamingSettings:
     prefetch_top: int | None = None
     prefetch_depth: int = 1
     prefetch_in_flight: int | None = None
-    native_reads: bool = True
+    native_reads: bool | None = None
 
     def __post_init__(self):
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top",

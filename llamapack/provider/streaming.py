@@ -105,7 +105,9 @@ class StreamingProvider:
             n_threads = min(settings.stage_slots * n_pieces, MAX_READ_THREADS)
             # lookahead pieces in flight: one per lookahead buffer, or fewer (prefetch_in_flight)
             n_prefetch_threads = min(n_lookahead, settings.prefetch_in_flight or n_lookahead, MAX_READ_THREADS)
-            self.native_reads = settings.native_reads and isinstance(self._source, PackSource) and read_fn is None
+            wants_native = (settings.native_reads if settings.native_reads is not None
+                            else settings.prefetch or self.tier is not None)
+            self.native_reads = wants_native and isinstance(self._source, PackSource) and read_fn is None
             engine = NativeReads if self.native_reads else ThreadReads
             self._reads = engine(self._source, n_threads + n_prefetch_threads, n_prefetch_threads)
             self._prefetch_threads = n_prefetch_threads
