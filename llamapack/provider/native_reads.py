@@ -8,11 +8,11 @@ waited for the GIL while lookahead reads ran (~28 ms per token, bench/results/gp
 ``promote`` a lookahead piece to demand priority, ``wait_first``/``wait_all``, ``close``. Its pieces,
 ``NativeRead``, answer the ``concurrent.futures.Future`` methods the provider calls. Pack mode only: a
 piece is one aligned byte range of the pack file (GGUF-direct reads go through a reader's scratch buffer).
+Which engine the provider takes: StreamingSettings.native_reads.
 """
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import CancelledError
 
 import numpy as np
