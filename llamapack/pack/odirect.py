@@ -42,6 +42,14 @@ def _refusal(path: str, when: str) -> PackIOError:
     )
 
 
+def check_direct_transfer(path: str, address: int, offset: int, nbytes: int, where: str = "") -> None:
+    """PackIOError unless an O_DIRECT transfer of ``nbytes`` at ``offset`` into/from ``address`` is aligned."""
+    if address % ALIGNMENT or offset % ALIGNMENT or nbytes % ALIGNMENT:
+        context = f" ({where})" if where else ""
+        raise PackIOError(f"{path}: O_DIRECT transfer of {nbytes} bytes at offset {offset} with buffer "
+                          f"0x{address:x} is not {ALIGNMENT}-aligned{context}")
+
+
 def read_error(path: str, offset: int, where: str, reason: str) -> PackIOError:
     context = f" ({where})" if where else ""
     return PackIOError(f"read error on {path} at offset {offset}{context}: {reason}")
@@ -72,11 +80,8 @@ class DirectFile:
         self._io_done = False
 
     def check_direct_args(self, buf: np.ndarray, offset: int, nbytes: int) -> None:
-        if self.direct_io and (not is_aligned(buf) or offset % ALIGNMENT or nbytes % ALIGNMENT):
-            raise PackIOError(
-                f"{self.path}: O_DIRECT transfer of {nbytes} bytes at offset {offset} "
-                f"with buffer 0x{buf.ctypes.data:x} is not {ALIGNMENT}-aligned"
-            )
+        if self.direct_io:
+            check_direct_transfer(self.path, buf.ctypes.data, offset, nbytes)
 
     def read_into(self, buf: np.ndarray, offset: int, *, need: int | None = None, where: str = "") -> int:
         """Fill ``buf`` from ``offset``; fewer than ``need`` bytes (default all) is a PackIOError.

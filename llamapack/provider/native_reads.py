@@ -20,7 +20,7 @@ import numpy as np
 from .. import native
 from ..errors import NativeError, PackIOError
 from ..pack import ALIGNMENT
-from ..pack.odirect import read_error, short_read_error
+from ..pack.odirect import check_direct_transfer, read_error, short_read_error
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = range(5)  # enum llama_expert_read_state
 
@@ -111,9 +111,8 @@ class NativeReads:
         pieces = []
         for start, end in spans:
             offset, nbytes = base + start, end - start
-            if self._align and ((address + start) % self._align or offset % self._align or nbytes % self._align):
-                raise PackIOError(f"{self.path}: O_DIRECT read of {nbytes} bytes at offset {offset} into "
-                                  f"0x{address + start:x} is not {self._align}-aligned ({where})")
+            if self._align:
+                check_direct_transfer(self.path, address + start, offset, nbytes, where)
             read_id = -1 if self._pool is None else self._lib.llama_expert_read_submit(
                 self._pool, self._file.fd, native.ffi.cast("void *", address + start), offset, nbytes, self._align,
                 prefetch)
