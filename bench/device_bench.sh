@@ -10,7 +10,10 @@
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round3", ...)  # #9 third round: see below
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round4", ...)  # #9 fourth round: see below
 #   bench also takes PREFETCH_IN_FLIGHT=1 (+prefetch-cN runs), RAM_FRACTIONS=0.25 (+ramR% under the limit) and
-#   READ_ENGINES=1 (+native and +pyreads twins of the limited pack runs)
+#   READ_ENGINES=1 (+native and +pyreads twins of the limited pack runs), ROUNDS=N (each run but the reference
+#   N times) and SHUFFLE_SEED=S (each round in a seeded shuffled order); CONFIGS may combine options freely
+#   (e.g. pack-25%+ram25%+prefetch-top2@8G: llamapack/bench/configs.py, NAME_GRAMMAR)
+#   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round5", ...)  # #9 fifth round: see below
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -84,6 +87,12 @@ round4)  # #9, fourth round: build, CUDA bit-exact with pack reads on the native
     bitexact cuda_bitexact_native_prefetch.json --prefetch --prefetch-in-flight 1
     wait_for_model
     ;;
+round5)  # #9, fifth round: build, CUDA bit-exact with a RAM tier and lookahead at once, then the model and pack
+    start_model "${SKEW:-0}"
+    build_cuda
+    bitexact cuda_bitexact_ramtier_prefetch.json --ram-cache-mib 24 --prefetch
+    wait_for_model
+    ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
     results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
@@ -92,6 +101,7 @@ bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after 
         ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} \
         ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} \
         ${PREFETCH_IN_FLIGHT:+--prefetch-in-flight $PREFETCH_IN_FLIGHT} ${RAM_FRACTIONS:+--ram-fractions $RAM_FRACTIONS} \
-        ${READ_ENGINES:+--read-engines} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${READ_ENGINES:+--read-engines} ${ROUNDS:+--rounds $ROUNDS} ${SHUFFLE_SEED:+--shuffle-seed $SHUFFLE_SEED} \
+        ${CONFIGS:+--configs $CONFIGS} 2>&1
     ;;
 esac

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from llamapack.bench.cgroup import MemoryCage
-from llamapack.bench.configs import BenchConfig, default_matrix, select
+from llamapack.bench.configs import BenchConfig, default_matrix, parse_config, schedule, select
 from llamapack.bench.diskbw import random_read_bandwidth
-from llamapack.bench.report import compare_digests, markdown, plot, ratios, summaries
+from llamapack.bench.report import combine, compare_digests, markdown, plot, ratios, summaries
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,8 +67,72 @@ def test_bad_configs_are_refused(kwargs, message):
 def test_select_names_unknown_runs():
     matrix = default_matrix(2, None, gpu=False)
     assert [c.name for c in select(matrix, ["pack-25%", "vanilla"])] == ["vanilla", "pack-25%"]
-    with pytest.raises(ValueError, match="unknown config.*nope.*known: vanilla"):
+    with pytest.raises(ValueError, match="unknown config.*nope.*Known: vanilla.*or any vanilla-vram"):
         select(matrix, ["nope"])
+
+
+def test_every_matrix_name_parses_back_to_its_config():
+    matrix = (default_matrix(16, 8192, (0.25, 0.5), ram_tier=True, prefetch=True, prefetch_tops=(1, 2),
+                             prefetch_depths=(4,), read_splits=(4,), prefetch_in_flights=(1,), ram_fractions=(0.25,),
+                             read_engines=True)
+              + default_matrix(16, None, (0.25,), ram_tier=True) + default_matrix(16, 1536, (0.25,))
+              + default_matrix(16, None, gpu=False))
+    assert len(matrix) > 60
+    for config in matrix:
+        assert parse_config(config.name, 16) == config, config.name
+
+
+def test_a_combination_outside_the_matrix_is_parsed():
+    combo = parse_config("pack-25%+ram25%+prefetch-top2+prefetch-c1+native@8G", 16)
+    assert (combo.source, combo.vram_fraction, combo.ram_fraction, combo.prefetch, combo.prefetch_top,
+            combo.prefetch_in_flight, combo.native_reads, combo.memory_limit_mib) == (
+        "pack", 0.25, 0.25, True, 2, 1, True, 8192)
+    assert parse_config("gguf-direct-50%+split2@512M", 16).memory_limit_mib == 512
+    for name, message in (("pack-25%+nope@8G", "unknown option 'nope'"), ("pack-x%", "unknown run"),
+                          ("pack-25%@8X", "@<n>G or @<n>M"), ("cpu-moe+prefetch", "llamapack settings"),
+                          ("pack-250%", "must be in")):
+        with pytest.raises(ValueError, match=message):
+            parse_config(name, 16)
+    chosen = select(default_matrix(2, None, gpu=False), ["pack-25%+ram50%", "vanilla"], n_cores=2)
+    assert [(c.name, c.ram_fraction) for c in chosen] == [("vanilla", None), ("pack-25%+ram50%", 0.5)]
+
+
+def test_schedule_runs_the_reference_once_and_shuffles_each_round():
+    configs = [BenchConfig("ref", reference=True)] + [BenchConfig(f"c{i}") for i in range(8)]
+    assert [(r, c.name) for r, c in schedule(configs[:3], 2)] == [(1, "ref"), (1, "c0"), (1, "c1"), (2, "c0"),
+                                                                   (2, "c1")]
+    order = schedule(configs, 3, shuffle_seed=7)
+    assert order == schedule(configs, 3, shuffle_seed=7)  # seeded: the same order every time
+    assert order[0] == (1, configs[0]) and sum(c.reference for _, c in order) == 1
+    rounds = [[c.name for r, c in order[1:] if r == n] for n in (1, 2, 3)]
+    assert all(sorted(names) == [f"c{i}" for i in range(8)] for names in rounds)
+    assert len({tuple(names) for names in rounds}) == 3  # a fresh shuffle each round
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        schedule(configs, 0)
+
+
+def test_rounds_are_combined_into_medians():
+    results = results_by_hand()
+    again = [dict(run, round=2) for run in results["runs"][1:3]]
+    again[1] = dict(again[1], requests=[request(8, ["a", "b"], 3, 0.5, cache_hits=30, cache_misses=10,
+                                                pack_read_bytes=300 << 20, provide_s=0.4)])  # 6 tok/s
+    third = dict(results["runs"][2], round=3, requests=[request(8, ["a", "z"], 1, 0.25, cache_hits=1,
+                                                                cache_misses=1, pack_read_bytes=1, provide_s=0.1)])
+    results["runs"] += again + [third]
+    results["workload"].update(rounds=3, shuffle_seed=5)
+    rows = {row.name: row for row in combine(summaries(results))}
+    pack = rows["pack-25%@8G"]
+    assert pack.n_rounds == 3 and pack.decode_by_round == (2.0, 6.0, 4.0) and pack.decode_tok_s == 4.0
+    assert pack.bit_exact == "round 3: NO (first at request of 8 tokens, step 1)"
+    assert rows["cpu-moe@8G"].n_rounds == 2 and rows["cpu-moe@8G"].decode_tok_s == 0.5
+    assert rows["pack-25%+prefetch@8G"].n_rounds == 1 and rows["pack-25%+prefetch@8G"].bit_exact == "yes (2 steps)"
+    (entry,) = [r for r in ratios(list(rows.values())) if r["run"] == "pack-25%@8G"]
+    assert entry["decode_ratio"] == pytest.approx(8.0)  # the medians: 4 tok/s against 0.5
+    text = markdown(results)
+    assert "| pack-25%@8G | 2.00 | 6.00 | 4.00 | 4.00 | 3.00x |" in text
+    assert "each round shuffled (seed 5)" in text and "Round 2: cpu-moe@8G, pack-25%@8G" in text
+    results["runs"][-1] = dict(third, requests=[request(8, ["a", "b"], 1, 0.25)])
+    assert {row.name: row for row in combine(summaries(results))}["pack-25%@8G"].bit_exact == "yes (6 steps, 3 runs)"
 
 
 def request(n_prompt, digests, n_decoded, decode_s, prefill_s=1.0, **decode_counters):
@@ -215,6 +279,32 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     assert "sampled at temperature 1" in (out / "bench.md").read_text()
     assert "| pack-25% |" in (out / "bench.md").read_text()
     assert "| pack-25%+prefetch | " in (out / "bench.md").read_text().split("## Router lookahead")[1]
+
+
+def test_bench_rounds_end_to_end(tmp_path):
+    """Two shuffled rounds of a config outside the matrix (a RAM tier of half the experts): the reference runs
+    once, each other config twice, every run bit-exact, and the report gives the median per config."""
+    from llamapack.pack import build_pack
+    from llamapack.synth import write_model
+
+    model = write_model(tmp_path / "tiny.gguf", "mixtral-tiny", seed=0)
+    build_pack(model, progress=False, safety_margin_mib=0)
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", "6", "--prompt-lengths", "8",
+         "-ub", "1", "--temperature", "1.0", "--rounds", "2", "--shuffle-seed", "1",
+         "--configs", "pack-25%,pack-25%+ram50%,vanilla"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    order = [(run["round"], run["config"]["name"]) for run in data["runs"]]
+    assert order[0] == (1, "vanilla") and sorted(order[1:]) == [(1, "pack-25%"), (1, "pack-25%+ram50%"),
+                                                                (2, "pack-25%"), (2, "pack-25%+ram50%")]
+    assert all(row["bit_exact"].startswith("yes") for row in data["summaries"][1:])
+    combined = {row["name"]: row for row in data["combined"]}
+    assert combined["pack-25%+ram50%"]["n_rounds"] == 2 and combined["pack-25%+ram50%"]["bit_exact"] == "yes (12 steps, 2 runs)"
+    tiers = {run["config"]["name"]: run["provider"]["ram_slots"] for run in data["runs"][1:]}
+    assert tiers == {"pack-25%": 0, "pack-25%+ram50%": 12}  # half of 3 x 8 experts
+    assert "## Decode in each round" in (out / "bench.md").read_text()
 
 
 def test_provider_overhead_script_measures_an_all_hit_decode(tmp_path):

@@ -162,6 +162,26 @@ def test_logits_equal_vanilla_with_a_ram_tier(preset, source, models, vanilla, t
     assert stats["read_engine"] == ("native" if source == "pack" else "python")  # the default with a RAM tier
 
 
+@pytest.mark.parametrize("source", ["pack", "gguf"])
+@pytest.mark.parametrize("preset,n_ubatch", [("qwen3moe-tiny", 7), ("mixtral-tiny", 1)])
+def test_logits_equal_vanilla_with_a_ram_tier_and_lookahead(preset, n_ubatch, source, models, vanilla, tmp_path):
+    """Both at once: a guess that is in neither the pool nor the tier is read ahead into a lookahead buffer
+    (bypassing the tier); every other miss is a RAM hit or a read into its RAM block."""
+    from hookutil import logits
+
+    n_slots = small_pool(preset, n_ubatch)
+    blocks = (n_slots + n_keys(preset)) // 2
+    spec = spec_for(models[preset][0], n_ubatch, tmp_path / "rp.npy", provider="streaming", n_slots=n_slots,
+                    streaming=dict(stage_slots=3, read_splits=2, ram_cache_mib=tier_mib(models, preset, blocks),
+                                   prefetch=True, prefetch_slots=4, prefetch_top=2),
+                    **source_spec(models, preset, source))
+    got, stats = logits(spec, tmp_path)
+    want = vanilla(preset, n_ubatch)
+    assert np.array_equal(got, want), f"max |diff| = {np.abs(got - want).max()}"
+    assert stats["ram_hits"] > 0 and stats["prefetch_used"] > 0 and stats["io_errors"] == 0
+    assert stats["cache_misses"] == stats["ram_hits"] + stats["ram_misses"] + stats["prefetch_used"]
+
+
 @pytest.mark.parametrize("source, tier", [("pack", "all"), ("gguf", "all"), ("pack", 24)])
 def test_counters_match_a_replayed_trace_with_a_ram_tier(source, tier, models, tmp_path):
     """The prompt twice (the second time after llm.reset): with every expert fitting in RAM, the second pass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .configs import default_matrix, select
+from .configs import default_matrix, schedule, select
 from .runner import BenchPlan, run_bench
 
 
@@ -38,7 +38,11 @@ def has_gpu() -> bool:
               help="cgroup memory.max for the low-RAM runs (needs root and cgroups); none: no limited runs.")
 @click.option("--fractions", callback=_numbers(float), default="0.25,0.5", show_default=True,
               help="VRAM expert cache sizes, as fractions of all routed experts.")
-@click.option("--configs", "names", help="Only these runs (comma-separated names; see --list).")
+@click.option("--configs", "names", help="Only these runs (comma-separated names; see --list), or any combination "
+              "such as pack-25%+ram25%+prefetch-top2@8G.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run every config but the reference this many times; the report gives the median decode.")
+@click.option("--shuffle-seed", type=int, help="Shuffle each round's order with this seed (default: the listed order).")
 @click.option("--no-gguf-direct", is_flag=True, help="Leave out the GGUF-direct runs.")
 @click.option("--ram-tier", is_flag=True, help="Add pack runs with a host-RAM tier holding every expert.")
 @click.option("--prefetch", is_flag=True, help="Add limited pack runs with router-lookahead prefetch (+prefetch).")
@@ -66,7 +70,7 @@ def has_gpu() -> bool:
 @click.option("--vanilla-lib", type=click.Path(file_okay=False), help="Folder of an unpatched libllama for vanilla runs.")
 @click.option("--patched-lib", type=click.Path(file_okay=False), help="Folder of the patched libllama for pack runs.")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
-def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_gguf_direct, ram_tier, prefetch,
+def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, rounds, shuffle_seed, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
                   prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
@@ -76,17 +80,17 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, no_g
                             read_splits=read_splits or (), prefetch_in_flights=prefetch_in_flights or (),
                             ram_fractions=ram_fractions or (), read_engines=read_engines)
     try:
-        configs = select(matrix, names.split(",") if names else None)
+        configs = select(matrix, names.split(",") if names else None, n_cores=os.cpu_count() or 1)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--configs") from None
     if list_only:
-        for config in configs:
-            click.echo(config.name)
+        for round_, config in schedule(configs, rounds, shuffle_seed):
+            click.echo(config.name if rounds == 1 else f"{round_}\t{config.name}")
         return
     plan = BenchPlan(model=model, out_dir=out_dir, configs=tuple(configs), pack=pack,
                      prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
                      temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
-                     vanilla_lib=vanilla_lib, patched_lib=patched_lib,
+                     vanilla_lib=vanilla_lib, patched_lib=patched_lib, rounds=rounds, shuffle_seed=shuffle_seed,
                      command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
     run_bench(plan, echo=lambda line: click.echo(line, err=True))
     click.echo(f"wrote {out_dir / 'bench.md'}, bench.json and bench.png")

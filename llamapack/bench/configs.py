@@ -8,6 +8,8 @@ the same limit.
 """
 from __future__ import annotations
 
+import random
+import re
 from dataclasses import asdict, dataclass, replace
 
 VANILLA, PACK, GGUF_DIRECT = "vanilla", "pack", "gguf_direct"
@@ -134,12 +136,82 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
     return configs
 
 
-def select(configs: list[BenchConfig], names: list[str] | None) -> list[BenchConfig]:
-    """The configs named (in the matrix's order); an unknown name is a ValueError listing the known ones."""
+NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +prefetch, "
+                "+prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, then @NG or @NM")
+_SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|split(?P<split>\d+)|native|pyreads)(?=\+|$)")
+
+
+def parse_config(name: str, n_cores: int) -> BenchConfig:
+    """The configuration a name of ``NAME_GRAMMAR`` describes, as ``default_matrix`` would build it (so that
+    any combination can be run, e.g. ``pack-25%+ram25%+prefetch-top2@8G``); ValueError for another name."""
+    body, _, limit = name.partition("@")
+    fields: dict = {}
+    if limit:
+        match = re.fullmatch(r"(\d+)([GM])", limit)
+        if not match:
+            raise ValueError(f"{name}: a memory limit is @<n>G or @<n>M")
+        fields["memory_limit_mib"] = int(match[1]) * (1024 if match[2] == "G" else 1)
+    base, _, suffixes = body.partition("+")
+    if base in ("vanilla-vram", "vanilla"):
+        fields.update(reference=True, repack=base == "vanilla-vram")
+    elif base == "cpu-moe":
+        fields.update(cpu_moe=True, n_threads=n_cores, repack=not limit)  # a limit cannot hold a repack
+    else:
+        match = re.fullmatch(r"(pack|gguf-direct)-([\d.]+)%", base)
+        if not match:
+            raise ValueError(f"{name}: unknown run {base!r}")
+        fields.update(source=PACK if match[1] == "pack" else GGUF_DIRECT, vram_fraction=float(match[2]) / 100)
+    rest = "+" + suffixes if suffixes else ""
+    while rest:
+        match = _SUFFIX.match(rest)
+        if not match:
+            raise ValueError(f"{name}: unknown option {rest[1:].split('+')[0]!r}")
+        option, rest = match[1], rest[match.end():]
+        if option == "ram" or match["ram"]:
+            fields["ram_fraction"] = float(match["ram"]) / 100 if match["ram"] else 1.0
+        elif option.startswith("prefetch"):
+            fields["prefetch"] = True
+            for group, field in (("top", "prefetch_top"), ("depth", "prefetch_depth"), ("flight", "prefetch_in_flight")):
+                if match[group]:
+                    fields[field] = int(match[group])
+        elif match["split"]:
+            fields["read_splits"] = int(match["split"])
+        else:
+            fields["native_reads"] = option == "native"
+    return BenchConfig(name, **fields)
+
+
+def select(configs: list[BenchConfig], names: list[str] | None, n_cores: int = 1) -> list[BenchConfig]:
+    """The configs named, the reference first, then in the order given: a name in ``configs`` is that
+    config, another is parsed (``parse_config``); a name neither knows is a ValueError listing the known ones."""
     if not names:
         return configs
-    known = {c.name for c in configs}
-    unknown = [n for n in names if n not in known]
+    known = {c.name: c for c in configs}
+    chosen, unknown = [], []
+    for name in dict.fromkeys(names):
+        try:
+            chosen.append(known[name] if name in known else parse_config(name, n_cores))
+        except ValueError as exc:
+            unknown.append(str(exc))
     if unknown:
-        raise ValueError(f"unknown config(s) {', '.join(unknown)}; known: {', '.join(c.name for c in configs)}")
-    return [c for c in configs if c.name in names]
+        raise ValueError(f"unknown config(s): {'; '.join(unknown)}. Known: {', '.join(known)}; or any "
+                         f"{NAME_GRAMMAR}")
+    return sorted(chosen, key=lambda c: not c.reference)
+
+
+def schedule(configs, rounds: int = 1, shuffle_seed: int | None = None) -> list[tuple[int, BenchConfig]]:
+    """(round, config) in the order to run: the reference once, first; then every other config once per
+    round, in the given order or, with ``shuffle_seed``, in a fresh seeded shuffle each round (so that no
+    run always follows the same one: the disk and the page cache carry state from run to run)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1 (got {rounds})")
+    references = [c for c in configs if c.reference]
+    others = [c for c in configs if not c.reference]
+    order = [(1, c) for c in references]
+    for round_ in range(1, rounds + 1):
+        this_round = list(others)
+        if shuffle_seed is not None:
+            random.Random(f"{shuffle_seed}:{round_}").shuffle(this_round)
+        order += [(round_, c) for c in this_round]
+    return order

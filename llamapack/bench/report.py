@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 MIB = 1 << 20
@@ -34,6 +35,9 @@ class RunSummary:
     load_s: float | None = None
     peak_mib: float | None = None
     lookahead: dict | None = None            # decode phase, runs with prefetch: accuracy, reads used and wasted
+    round: int = 1                           # which round of the bench (configs.schedule)
+    n_rounds: int = 1                        # a combined row (combine): how many runs it is the median of
+    decode_by_round: tuple = ()              # a combined row: each run's decode tok/s, in the order run
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -55,7 +59,7 @@ def compare_digests(run: dict, reference: dict) -> str:
 def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> RunSummary:
     name = run["config"]["name"]
     if "error" in run:
-        return RunSummary(name, ok=False, error=run["error"])
+        return RunSummary(name, ok=False, error=run["error"], round=run.get("round", 1))
     requests = run["requests"]
     decoded = sum(r["n_decoded"] for r in requests)
     decode_s = sum(r["decode_s"] for r in requests)
@@ -96,7 +100,8 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         read_bytes_per_token=per_token, io_bound_tok_s=io_bound,
         io_bound_fraction=decode_tok_s / io_bound if io_bound and decode_tok_s else None,
         breakdown=breakdown, bit_exact=exact, load_s=run.get("load_s"),
-        peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"), lookahead=lookahead)
+        peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"), lookahead=lookahead,
+        round=run.get("round", 1))
 
 
 def probe_bytes_per_s(probe: dict) -> float:
@@ -112,6 +117,45 @@ def disk_bytes_per_s(results: dict) -> float:
 def summaries(results: dict) -> list[RunSummary]:
     reference = next((r for r in results["runs"] if r["config"].get("reference")), None)
     return [summarize(run, reference, disk_bytes_per_s(results)) for run in results["runs"]]
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def combine(rows: list[RunSummary]) -> list[RunSummary]:
+    """One row per config name, in first-run order: a config run in several rounds becomes the median of its
+    runs that finished (decode, prefill, TTFT, hit rate, SSD bytes, I/O bound, each share of decode time;
+    the lookahead counters of the median-decode run); bit-exact only when every run was. A config whose
+    every run failed keeps its first failure."""
+    groups: dict[str, list[RunSummary]] = {}
+    for row in rows:
+        groups.setdefault(row.name, []).append(row)
+    combined = []
+    for name, group in groups.items():
+        ok = [row for row in group if row.ok]
+        if len(group) == 1 or not ok:
+            combined.append(group[0])
+            continue
+        middle = sorted(ok, key=lambda row: row.decode_tok_s or 0.0)[(len(ok) - 1) // 2]
+        decode, io_bound = _median(r.decode_tok_s for r in ok), _median(r.io_bound_tok_s for r in ok)
+        lengths = ok[0].prefill_tok_s.keys()
+        not_exact = [f"round {r.round}: {r.bit_exact}" for r in ok if not r.bit_exact.startswith(("yes", "reference"))]
+        steps = sum(int(m[1]) for r in ok if (m := re.match(r"yes \((\d+) steps\)", r.bit_exact)))
+        failed = len(group) - len(ok)
+        combined.append(replace(
+            middle, n_rounds=len(ok), decode_by_round=tuple(r.decode_tok_s for r in group), decode_tok_s=decode,
+            n_decoded=sum(r.n_decoded for r in ok),
+            prefill_tok_s={n: _median(r.prefill_tok_s.get(n) for r in ok) for n in lengths},
+            ttft_s={n: _median(r.ttft_s.get(n) for r in ok) for n in lengths},
+            hit_rate=_median(r.hit_rate for r in ok), read_bytes_per_token=_median(r.read_bytes_per_token for r in ok),
+            io_bound_tok_s=io_bound, io_bound_fraction=decode / io_bound if decode and io_bound else None,
+            breakdown={k: _median(r.breakdown[k] for r in ok) for k in middle.breakdown} if middle.breakdown else None,
+            bit_exact=(not_exact[0] if not_exact else middle.bit_exact if middle.bit_exact == "reference"
+                       else f"yes ({steps} steps, {len(ok)} runs)") + (f"; {failed} run(s) failed" if failed else ""),
+            load_s=_median(r.load_s for r in ok), peak_mib=max((r.peak_mib or 0) for r in ok) or None))
+    return combined
 
 
 def ratios(rows: list[RunSummary]) -> list[dict]:
@@ -146,7 +190,9 @@ def _f(value, spec: str = ".2f", scale: float = 1.0) -> str:
 
 
 def markdown(results: dict) -> str:
-    rows = summaries(results)
+    runs = summaries(results)
+    rows = combine(runs)
+    n_rounds = results["workload"].get("rounds", 1)
     lengths = results["workload"]["prompt_lengths"]
     disk = results.get("disk", {})
     lines = [f"# llamapack bench: {Path(results['model']['path']).name}", "",
@@ -163,7 +209,11 @@ def markdown(results: dict) -> str:
              f"{_f(disk.get('seconds'), '.1f')} s)",
              f"Workload: {_workload_kind(results['workload'])}, prompts of {', '.join(map(str, lengths))} tokens, up to "
              f"{results['workload']['n_decode']} tokens each (decode stops after {results['workload']['decode_cap_s']:g} s), "
-             f"n_ubatch {results['workload']['n_ubatch']}", "",
+             f"n_ubatch {results['workload']['n_ubatch']}"
+             + (f"; the reference once, then every other run in each of {n_rounds} rounds"
+                + (f", each round shuffled (seed {results['workload']['shuffle_seed']})"
+                   if results["workload"].get("shuffle_seed") is not None else "")
+                + "; each line is the median of its runs (the rounds table below)" if n_rounds > 1 else ""), "",
              "| run | " + " | ".join(f"prefill {n} tok/s" for n in lengths) + " | TTFT " + f"{lengths[-1]} s"
              + " | decode tok/s | tokens | hit rate | SSD MiB/token | I/O bound tok/s | of bound | bit-exact vs reference | peak MiB |",
              "|---|" + "---|" * (len(lengths) + 9)]
@@ -176,6 +226,17 @@ def markdown(results: dict) -> str:
             + f" | {_f(row.ttft_s.get(lengths[-1]))} | {_f(row.decode_tok_s)} | {row.n_decoded} | "
             f"{_f(row.hit_rate, '.1%')} | {_f(row.read_bytes_per_token, '.1f', 1 / MIB)} | {_f(row.io_bound_tok_s)} | "
             f"{_f(row.io_bound_fraction, '.0%')} | {row.bit_exact} | {_f(row.peak_mib, '.0f')} |")
+    if n_rounds > 1:
+        lines += ["", "## Decode in each round (tok/s, in the order run)", "",
+                  "| run | " + " | ".join(f"round {r}" for r in range(1, n_rounds + 1)) + " | median | max / min |",
+                  "|---|" + "---|" * (n_rounds + 2)]
+        for row in rows:
+            if row.n_rounds > 1:
+                done = [v for v in row.decode_by_round if v]
+                lines.append(f"| {row.name} | " + " | ".join(_f(v) for v in row.decode_by_round)
+                             + f" | {_f(row.decode_tok_s)} | {_f(max(done) / min(done))}x |")
+        for round_ in range(1, n_rounds + 1):
+            lines.append(f"\nRound {round_}: " + ", ".join(run.name for run in runs if run.round == round_))
     lines += ["", "## Ratios against --cpu-moe (same memory setting)", "",
               "| run | baseline | decode ratio | " + " | ".join(f"prefill {n} ratio" for n in lengths) + " |",
               "|---|---|---|" + "---|" * len(lengths)]
@@ -231,7 +292,7 @@ def plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [row for row in summaries(results) if row.ok]
+    rows = [row for row in combine(summaries(results)) if row.ok]
     longest = results["workload"]["prompt_lengths"][-1]
     figure, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8), sharey=True)
     names = [row.name for row in rows]
@@ -254,7 +315,9 @@ def plot(results: dict, path: Path) -> bool:
 def write_report(results: dict, out_dir: Path) -> None:
     """bench.json (raw results plus summaries), bench.md, bench.png."""
     out_dir = Path(out_dir)
-    data = dict(results, summaries=[row.as_dict() for row in summaries(results)], ratios=ratios(summaries(results)))
+    runs = summaries(results)
+    data = dict(results, summaries=[row.as_dict() for row in runs], combined=[row.as_dict() for row in combine(runs)],
+                ratios=ratios(combine(runs)))
     (out_dir / "bench.json").write_text(json.dumps(data, indent=1))
     (out_dir / "bench.md").write_text(markdown(results))
     plot(results, out_dir / "bench.png")

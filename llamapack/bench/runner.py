@@ -1,5 +1,6 @@
 """Runs the benchmark: the disk probe, then every configuration in its own process, in one go on one
-machine; results are rewritten after each configuration (a run cut short keeps what it measured)."""
+machine (the reference once, the others once per round, optionally shuffled: configs.schedule); results
+are rewritten after each run (a bench cut short keeps what it measured)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from typing import Callable
 from ..errors import LlamapackError
 from ..pack import default_pack_path, open_gguf
 from .cgroup import MemoryCage, drop_page_cache
-from .configs import BenchConfig
+from .configs import BenchConfig, schedule
 from .diskbw import random_read_bandwidth
 from .report import write_report
 from .workload import DEFAULT_PROMPT_LENGTHS
@@ -40,6 +41,8 @@ class BenchPlan:
     patched_lib: str | None = None        # libllama for pack runs (default: the one installed)
     config_timeout_s: float = 1800.0
     probe_seconds: float = 3.0
+    rounds: int = 1                       # every config but the reference runs this many times
+    shuffle_seed: int | None = None       # None: each round in the given order; else a seeded shuffle per round
     command: str = ""
     extra_facts: dict = field(default_factory=dict)
 
@@ -74,7 +77,8 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
                               n_expert=layout.num_experts, expert_stride=layout.expert_stride),
                    workload=dict(prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode,
                                  decode_cap_s=plan.decode_cap_s, temperature=plan.temperature, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch,
-                                 stage_slots=plan.stage_slots, read_splits=plan.read_splits),
+                                 stage_slots=plan.stage_slots, read_splits=plan.read_splits,
+                                 rounds=plan.rounds, shuffle_seed=plan.shuffle_seed),
                    runs=[])
     probe_path, first, n_blocks = ((pack_path, layout.data_start, layout.num_blocks) if needs_pack
                                    else (model.paths[0], 0, os.path.getsize(model.paths[0]) // layout.expert_stride))
@@ -88,9 +92,11 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
 
     probe_disk("disk", "before the runs")
     with tempfile.TemporaryDirectory(prefix="llamapack-bench-") as tmp:
-        for index, config in enumerate(plan.configs):
-            echo(f"[{index + 1}/{len(plan.configs)}] {config.name} ...")
+        order = schedule(plan.configs, plan.rounds, plan.shuffle_seed)
+        for index, (round_, config) in enumerate(order):
+            echo(f"[{index + 1}/{len(order)}] {config.name}" + (f" (round {round_})" if plan.rounds > 1 else "") + " ...")
             run = run_config(plan, config, expert_bytes, layout.num_blocks, pack_path, Path(tmp) / f"spec-{index}.json")
+            run.update(round=round_, position=index + 1)
             results["runs"].append(run)
             echo(f"    {summary_line(run)}")
             write_report(results, plan.out_dir)
