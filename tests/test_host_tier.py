@@ -104,6 +104,28 @@ def test_cuda_copier_waits_for_a_blocks_copies_before_its_refill(monkeypatch):
     assert copier.buffers == [] and copier.events == {}
 
 
+def test_cuda_copier_swap_moves_a_buffers_memory_with_its_event(monkeypatch):
+    """A lookahead buffer whose copy is still queued swaps memory with a RAM block: the block's index now
+    waits for that copy, and the lookahead index gets the block's old memory, with nothing queued from it."""
+    from llamapack.provider.copies import CudaCopier
+
+    streams: list = []
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(streams))
+    device = np.zeros(1 << 15, dtype=np.uint8)
+    copier = CudaCopier(0, device.ctypes.data, n_buffers=4, buffer_bytes=8192)  # blocks 0-2, lookahead 3
+    read_ahead, old_block = copier.buffers[3], copier.buffers[1]
+    read_ahead[:] = 5
+    copier.copy(3, [(0, 0, 4096)])  # queued, not run
+    copier.swap_buffers(3, 1)
+    assert copier.buffers[1] is read_ahead and copier.buffers[3] is old_block
+    assert set(copier.events) == {1} and not device.any()
+    copier.wait_until_free(3)  # nothing was copied out of the old block: returns at once, copy still queued
+    assert not device.any()
+    copier.wait_until_free(1)  # refilling the RAM block waits for the copy out of its (new) memory
+    assert (device[:4096] == 5).all()
+    copier.close()
+
+
 # ---------------------------------------------------------------- through llama.cpp (CPU)
 def block_bytes(models, preset: str) -> int:
     from llamapack.pack import PackReader
@@ -164,22 +186,27 @@ def test_logits_equal_vanilla_with_a_ram_tier(preset, source, models, vanilla, t
 
 @pytest.mark.parametrize("source", ["pack", "gguf"])
 @pytest.mark.parametrize("preset,n_ubatch", [("qwen3moe-tiny", 7), ("mixtral-tiny", 1)])
-def test_logits_equal_vanilla_with_a_ram_tier_and_lookahead(preset, n_ubatch, source, models, vanilla, tmp_path):
-    """Both at once: a guess that is in neither the pool nor the tier is read ahead into a lookahead buffer
-    (bypassing the tier); every other miss is a RAM hit or a read into its RAM block."""
+def test_lookahead_keeps_the_ram_tier_as_it_is_without(preset, n_ubatch, source, models, vanilla, tmp_path):
+    """A RAM tier and lookahead at once: bit-exact, and the tier plans every miss whether it was read ahead or
+    not (a used lookahead read becomes its RAM block by a buffer swap), so RAM hits and misses are those of the
+    same decode without lookahead, and the SSD bytes are that run's plus the wasted lookahead bytes."""
     from hookutil import logits
 
     n_slots = small_pool(preset, n_ubatch)
     blocks = (n_slots + n_keys(preset)) // 2
-    spec = spec_for(models[preset][0], n_ubatch, tmp_path / "rp.npy", provider="streaming", n_slots=n_slots,
-                    streaming=dict(stage_slots=3, read_splits=2, ram_cache_mib=tier_mib(models, preset, blocks),
-                                   prefetch=True, prefetch_slots=4, prefetch_top=2),
-                    **source_spec(models, preset, source))
-    got, stats = logits(spec, tmp_path)
-    want = vanilla(preset, n_ubatch)
-    assert np.array_equal(got, want), f"max |diff| = {np.abs(got - want).max()}"
-    assert stats["ram_hits"] > 0 and stats["prefetch_used"] > 0 and stats["io_errors"] == 0
-    assert stats["cache_misses"] == stats["ram_hits"] + stats["ram_misses"] + stats["prefetch_used"]
+    tier = dict(stage_slots=3, read_splits=2, ram_cache_mib=tier_mib(models, preset, blocks))
+    runs = {}
+    for name, extra in (("tier", {}), ("tier+lookahead", dict(prefetch=True, prefetch_slots=4, prefetch_top=2))):
+        spec = spec_for(models[preset][0], n_ubatch, tmp_path / f"{name}.npy", provider="streaming", n_slots=n_slots,
+                        streaming=dict(tier, **extra), **source_spec(models, preset, source))
+        got, runs[name] = logits(spec, tmp_path)
+        assert np.array_equal(got, vanilla(preset, n_ubatch)), f"{name}: max |diff| = {np.abs(got - vanilla(preset, n_ubatch)).max()}"
+    alone, ahead = runs["tier"], runs["tier+lookahead"]
+    assert ahead["prefetch_used"] > 0 and ahead["io_errors"] == 0 and ahead["ram_slots"] == blocks
+    for counter in ("cache_misses", "ram_hits", "ram_misses", "ram_evictions"):
+        assert ahead[counter] == alone[counter], counter
+    assert ahead["cache_misses"] == ahead["ram_hits"] + ahead["ram_misses"]
+    assert ahead["pack_read_bytes"] == alone["pack_read_bytes"] + ahead["prefetch_wasted_bytes"]
 
 
 @pytest.mark.parametrize("source, tier", [("pack", "all"), ("gguf", "all"), ("pack", 24)])

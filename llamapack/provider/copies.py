@@ -4,7 +4,8 @@ Both copiers hold ``buffers`` (page-aligned, one expert block each: the staging 
 tier's blocks when there is one; carved from a few large allocations) and offer the same four steps:
 ``wait_until_free(i)`` before a read refills buffer i, ``copy(i, segments)`` to copy a read block into
 its slot (``segments``: (pool offset, block offset, nbytes) per role), ``synchronize()`` before the
-provider returns to llama.cpp (every copy complete), ``close()``.
+provider returns to llama.cpp (every copy complete), ``close()``; and ``swap_buffers(i, j)``, which
+exchanges two buffers' memory (a finished lookahead read becomes a RAM block without a copy).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class HostCopier:
     def replace_buffer(self, index: int) -> None:
         """A fresh staging buffer i: the old one may still be written by a read that was abandoned."""
         self.buffers[index] = aligned_empty(self.buffers[index].nbytes)
+
+    def swap_buffers(self, i: int, j: int) -> None:
+        """Exchange the memory of buffers i and j (a lookahead buffer's bytes become a RAM block, no copy)."""
+        self.buffers[i], self.buffers[j] = self.buffers[j], self.buffers[i]
 
     def copy(self, index: int, segments) -> None:
         block = self.buffers[index]
@@ -92,14 +97,25 @@ class CudaCopier:
         self.events: dict = {}  # buffer -> its event, created on the buffer's first copy
         self._owners, self.buffers = chunked_blocks(lambda nbytes: pinned_buffer(cupy, nbytes), n_buffers,
                                                     buffer_bytes)
-        self._replaced: dict = {}  # buffer -> the owner of its replacement memory
+        self._replaced: list = []  # owners of replacement memory (kept for the copier's lifetime)
         self.pageable = any(owner is None for owner in self._owners)
 
     def replace_buffer(self, index: int) -> None:
         """A fresh staging buffer i: the old one may still be written by a read that was abandoned (its pinned
         memory stays referenced by that read until it ends)."""
-        self._replaced[index], self.buffers[index] = pinned_buffer(self._cupy, self.buffers[index].nbytes)
-        self.pageable = self.pageable or self._replaced[index] is None
+        owner, self.buffers[index] = pinned_buffer(self._cupy, self.buffers[index].nbytes)
+        self._replaced.append(owner)
+        self.pageable = self.pageable or owner is None
+
+    def swap_buffers(self, i: int, j: int) -> None:
+        """Exchange the memory of buffers i and j, with their events: a copy queued out of either memory
+        stays tracked by the event of the index that memory now has."""
+        self.buffers[i], self.buffers[j] = self.buffers[j], self.buffers[i]
+        event_i, event_j = self.events.pop(i, None), self.events.pop(j, None)
+        if event_i is not None:
+            self.events[j] = event_i
+        if event_j is not None:
+            self.events[i] = event_j
 
     def wait_until_free(self, index: int) -> None:
         event = self.events.get(index)
@@ -127,5 +143,5 @@ class CudaCopier:
     def close(self) -> None:
         """Wait for the copies, then give the pinned memory back to the driver."""
         self.synchronize()
-        self.buffers, self._owners, self._replaced, self.events = [], [], {}, {}
+        self.buffers, self._owners, self._replaced, self.events = [], [], [], {}
         self._cupy.get_default_pinned_memory_pool().free_all_blocks()

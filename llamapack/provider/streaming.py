@@ -26,7 +26,9 @@ the next ``prefetch_depth`` layers' experts; their reads start in buffers of the
 pieces), and the guessed layer's acquire waits only for
 what is still being read (promoted to demand priority) and copies from those buffers; the reads of wrong
 guesses that have not started yet are cancelled. A failed lookahead read that the next layer needs fails
-that acquire like any demand read; one it does not need is dropped. Lookahead experts bypass the RAM tier.
+that acquire like any demand read; one it does not need is dropped. With a RAM tier too, the tier plans
+each step's misses whether they were read ahead or not, and a used lookahead read the tier keeps swaps
+its buffer with the RAM block (no copy): lookahead changes where bytes are read, not what RAM holds.
 """
 from __future__ import annotations
 
@@ -219,12 +221,12 @@ class StreamingProvider:
         copied, filled, tier_plan, lookahead = set(), set(), None, {}
         error: BaseException | None = None
         try:
-            lookahead, loads_left = self._take_lookahead(loads)  # lookahead buffer -> its load
+            lookahead = self._take_lookahead(loads)  # lookahead buffer -> (its load, its read's pieces)
             for buffer, (load, pieces) in lookahead.items():
                 in_flight[buffer] = (load, pieces)
                 for piece in pieces:
                     self._reads.promote(piece)  # needed now: demand priority
-            ram_hits, waiting, tier_plan = self._plan_sources(loads_left)
+            ram_hits, waiting, tier_plan, install_into = self._plan_sources(loads, lookahead)
             while in_flight or ((waiting or ram_hits) and error is None):
                 while (waiting and len(in_flight.keys() - lookahead.keys()) < self.settings.stage_slots
                        and error is None):
@@ -259,6 +261,9 @@ class StreamingProvider:
                             copied.add(load.key)
                             if block in lookahead:
                                 self.counters.add(prefetch_used=1)
+                                if block in install_into:  # the read bytes become its RAM block
+                                    self._copier.swap_buffers(block, install_into[block])
+                                    filled.add(load.key)
                     except Exception as exc:  # noqa: BLE001 - any failed load is abandoned below
                         self.counters.record_io_error()
                         error = error or exc
@@ -279,26 +284,31 @@ class StreamingProvider:
         if error is not None:
             raise error
 
-    def _take_lookahead(self, loads) -> tuple[dict[int, tuple[SlotAssignment, list]], list[SlotAssignment]]:
-        """({lookahead buffer: (load, its read's pieces)} for the loads a lookahead read is for, the other loads)."""
-        taken, rest = {}, []
+    def _take_lookahead(self, loads) -> dict[int, tuple[SlotAssignment, list]]:
+        """{lookahead buffer: (load, its read's pieces)} for the loads a lookahead read is for."""
+        taken = {}
         for load in loads:
             entry = self.book.take(load.key) if self.book is not None else None
-            if entry is None:
-                rest.append(load)
-            else:
+            if entry is not None:
                 taken[entry.buffer] = (load, list(entry.pieces))
-        return taken, rest
+        return taken
 
-    def _plan_sources(self, loads) -> tuple[deque, deque, TierPlan | None]:
-        """(RAM hits, reads to start) as deques of (load, RAM block or None: a staging buffer), the tier's plan."""
+    def _plan_sources(self, loads, lookahead: dict) -> tuple[deque, deque, TierPlan | None, dict[int, int]]:
+        """(RAM hits, reads to start) as deques of (load, RAM block or None: a staging buffer), the tier's plan,
+        and {lookahead buffer: RAM block} for the loads already read ahead that the tier wants to keep.
+
+        The tier plans every load of the step, in the step's order, read ahead or not: so it holds the same
+        experts as without lookahead, and a read-ahead expert enters RAM by a buffer swap once checked."""
+        ahead = {load.key: buffer for buffer, (load, _) in lookahead.items()}
         if self.tier is None:
-            return deque(), deque((load, None) for load in loads), None
+            return deque(), deque((load, None) for load in loads if load.key not in ahead), None, {}
         plan = self.tier.plan([load.key for load in loads])
         self.counters.record_ram(len(plan.hits), len(plan.misses), plan.evictions)
         load_of = {load.key: load for load in loads}
-        return (deque((load_of[key], block) for key, block in plan.hits),
-                deque((load_of[key], block) for key, block in plan.misses), plan)
+        # a read-ahead key the tier already holds (a hit) is copied from its lookahead buffer all the same
+        return (deque((load_of[key], block) for key, block in plan.hits if key not in ahead),
+                deque((load_of[key], block) for key, block in plan.misses if key not in ahead), plan,
+                {ahead[key]: block for key, block in plan.misses if key in ahead})
 
     def _abandon_hung_reads(self, in_flight: dict) -> PackIOError:
         """Leave the reads in flight behind (each with fresh memory in its buffer's place) after a timeout."""
