@@ -151,7 +151,7 @@ def combine(rows: list[RunSummary]) -> list[RunSummary]:
             ttft_s={n: _median(r.ttft_s.get(n) for r in ok) for n in lengths},
             hit_rate=_median(r.hit_rate for r in ok), read_bytes_per_token=_median(r.read_bytes_per_token for r in ok),
             io_bound_tok_s=io_bound, io_bound_fraction=decode / io_bound if decode and io_bound else None,
-            breakdown={k: _median(r.breakdown[k] for r in ok) for k in middle.breakdown} if middle.breakdown else None,
+            breakdown={k: _median((r.breakdown or {}).get(k) for r in ok) for k in middle.breakdown} if middle.breakdown else None,
             bit_exact=(not_exact[0] if not_exact else middle.bit_exact if middle.bit_exact == "reference"
                        else f"yes ({steps} steps, {len(ok)} runs)") + (f"; {failed} run(s) failed" if failed else ""),
             load_s=_median(r.load_s for r in ok), peak_mib=max((r.peak_mib or 0) for r in ok) or None))
