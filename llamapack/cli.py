@@ -86,7 +86,27 @@ def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool)
                f"in {report.seconds:.1f} s")
 
 
-def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | None, prefetch: bool) -> dict:
+class RamCacheMib(click.ParamType):
+    """A size in MiB (> 0), or "auto": half the RAM still available (StreamingSettings.ram_cache_mib)."""
+
+    name = "MIB|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) or value == "auto":
+            return value
+        try:
+            mib = float(value)
+        except ValueError:
+            mib = 0.0
+        if not 0 < mib < float("inf"):
+            self.fail(f'{value!r} is neither a size in MiB above 0 nor "auto"', param, ctx)
+        return mib
+
+
+RAM_CACHE_MIB = RamCacheMib()
+
+
+def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool) -> dict:
     """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve)."""
     options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, prefetch=prefetch or None).items() if v is not None}
     if options and pack is None and not gguf_direct:
@@ -110,14 +130,14 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | Non
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
 @click.option("--cache-vram-mib", type=click.FloatRange(min=0.0, min_open=True),
               help="Expert cache size in MiB (GPU memory with -ngl, else host memory).")
-@click.option("--ram-cache-mib", type=click.FloatRange(min=0.0, min_open=True),
-              help="Host-RAM tier between the SSD and the expert cache, in MiB.")
+@click.option("--ram-cache-mib", type=RAM_CACHE_MIB,
+              help='Host-RAM tier between the SSD and the expert cache, in MiB; "auto": half the spare RAM.')
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
-        cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | None, prefetch: bool,
+        cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None, prefetch: bool,
         chat: bool, stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
@@ -173,12 +193,12 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: llama-cpp-python's).")
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
-@click.option("--ram-cache-mib", type=click.FloatRange(min=0.0, min_open=True),
-              help="Host-RAM tier between the SSD and the expert cache, in MiB.")
+@click.option("--ram-cache-mib", type=RAM_CACHE_MIB,
+              help='Host-RAM tier between the SSD and the expert cache, in MiB; "auto": half the spare RAM.')
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
-          ram_cache_mib: float | None, prefetch: bool) -> None:
+          ram_cache_mib: float | str | None, prefetch: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from werkzeug.serving import run_simple
 

@@ -67,7 +67,7 @@ class Llama(llama_cpp.Llama):
                  stats_path: str | os.PathLike | None = DEFAULTS.stats_path,
                  stats_flush_interval: int = DEFAULTS.stats_flush_interval,
                  read_timeout_s: float | None = DEFAULTS.read_timeout_s,
-                 ram_cache_mib: float | None = DEFAULTS.ram_cache_mib, prefetch: bool = DEFAULTS.prefetch,
+                 ram_cache_mib: float | str | None = DEFAULTS.ram_cache_mib, prefetch: bool = DEFAULTS.prefetch,
                  prefetch_slots: int = DEFAULTS.prefetch_slots, prefetch_top: int | None = DEFAULTS.prefetch_top,
                  prefetch_depth: int = DEFAULTS.prefetch_depth, prefetch_in_flight: int | None = DEFAULTS.prefetch_in_flight,
                  native_reads: bool | None = DEFAULTS.native_reads,

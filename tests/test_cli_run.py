@@ -119,6 +119,10 @@ def test_run_with_prefetch_and_ram_tier_writes_the_same_text(models, tmp_path):
     assert out == plain  # greedy: the same tokens with the lookahead and the RAM tier on
     pack = json.loads(stats_path.read_text())["pack"]
     assert pack["prefetch_slots"] == 4 and pack["ram_slots"] > 0 and pack["lookahead_keys"] > 0
+    code, out, err = invoke("run", str(model), *GREEDY, "-ub", "1", "--pack", "--cache-slots", "4",
+                            "--ram-cache-mib", "auto", "--stats-json", str(stats_path))
+    assert code == 0, err
+    assert out == plain and json.loads(stats_path.read_text())["pack"]["ram_slots"] > 0  # sized from spare RAM
 
 
 def test_run_chat_reads_lines_until_empty(models, tmp_path):
@@ -175,6 +179,13 @@ def test_run_errors_are_one_line(models, tmp_path, case, how):
     assert code != 0
     assert err.startswith(expected) and err.count("\n") == 1, err
     assert "Traceback" not in out + err and "Exception ignored" not in err
+
+
+@pytest.mark.parametrize("size", ["lots", "0", "-5", "inf"])
+def test_a_bad_ram_tier_size_is_a_usage_error(models, size):
+    code, out, err = invoke("run", str(models[0][0]), "--pack", "--ram-cache-mib", size, "-p", "x")
+    assert code == 2 and f"Invalid value for '--ram-cache-mib': '{size}' is neither a size in MiB above 0" in err
+    assert "Traceback" not in out + err
 
 
 def test_demo_reports_identical(tmp_path):

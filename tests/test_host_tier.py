@@ -52,6 +52,39 @@ def test_tier_blocks_budget_and_setting():
             StreamingSettings(ram_cache_mib=bad)
 
 
+def test_auto_tier_takes_half_the_spare_ram_or_none():
+    stride = 3 * MIB
+    host = dict(block_bytes=stride, n_expert=16, n_moe_layers=4, n_expert_used=4, n_ubatch=7)
+    auto = StreamingSettings(ram_cache_mib="auto")
+    assert tier_blocks(auto, **host, spare_ram=200 * MIB) == 33  # 100 MiB of 200 spare
+    assert tier_blocks(auto, **host, spare_ram=1 << 40) == 64  # never more than every expert
+    assert tier_blocks(auto, **host, spare_ram=90 * MIB) == 0  # 15 blocks < the 16 one ubatch needs: no tier
+    with pytest.raises(ValueError, match="needs the spare RAM"):
+        tier_blocks(auto, **host)
+    for bad in ("lots", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match='ram_cache_mib must be > 0, "auto" or None'):
+            StreamingSettings(ram_cache_mib=bad)
+
+
+def test_spare_ram_is_memavailable_capped_by_the_cgroup_limit(tmp_path):
+    from llamapack.provider.host_tier import spare_ram_bytes
+
+    (tmp_path / "meminfo").write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
+    (tmp_path / "cgroup").write_text("0::/bench/run\n")
+    group = tmp_path / "root" / "bench" / "run"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text(str(8 << 30) + "\n")
+    (group / "memory.current").write_text(str(3 << 30) + "\n")
+    paths = dict(meminfo=str(tmp_path / "meminfo"), cgroup_list=str(tmp_path / "cgroup"),
+                 cgroup_root=str(tmp_path / "root"))
+    assert spare_ram_bytes(**paths) == 5 << 30  # the limit leaves 5 GiB of the 19 available
+    (group / "memory.max").write_text("max\n")
+    assert spare_ram_bytes(**paths) == 20000000 << 10  # no limit: MemAvailable
+    (tmp_path / "cgroup").write_text("12:memory:/legacy\n")  # cgroup v1 only: MemAvailable
+    assert spare_ram_bytes(**paths) == 20000000 << 10
+    assert spare_ram_bytes() > 0  # this machine
+
+
 def test_chunked_blocks_are_few_aligned_allocations():
     calls = []
 
@@ -274,3 +307,13 @@ def test_llama_wrapper_passes_ram_cache_mib(models, vanilla, tmp_path):
     stats = result["stats"]
     assert stats["ram_slots"] == 48 and stats["ram_hits"] > 0
     assert stats["ram_hits"] + stats["ram_misses"] == stats["cache_misses"]
+
+
+def test_an_auto_tier_holds_every_expert_of_a_tiny_model(models, vanilla, tmp_path):
+    """ram_cache_mib="auto" through the drop-in Llama: this machine's spare RAM holds every expert."""
+    gguf, _ = models["qwen3moe-tiny"]
+    spec = dict(mode="llama", model=str(gguf), n_ubatch=7, n_prompt=N_PROMPT, n_decode=N_DECODE,
+                out=str(tmp_path / "a.npy"), llama=dict(cache_slots=16, ram_cache_mib="auto"))
+    result = run_self(spec, tmp_path)
+    assert np.array_equal(np.load(tmp_path / "a.npy"), vanilla("qwen3moe-tiny", 7))
+    assert result["stats"]["ram_slots"] == n_keys("qwen3moe-tiny") and result["stats"]["ram_hits"] > 0

@@ -109,7 +109,8 @@ def provider_worker(spec: dict) -> dict:
 
 
 def llama_worker(spec: dict) -> dict:
-    """Through ``llamapack.Llama``: a budget too small for the ubatch fails at init, then a real run."""
+    """Through ``llamapack.Llama``: a budget too small for the ubatch fails at init (with ``too_few_slots``),
+    then a real run."""
     from logits_worker import greedy_logits, prompt_tokens
 
     from llamapack.llama import Llama
@@ -118,7 +119,8 @@ def llama_worker(spec: dict) -> dict:
                   n_threads_batch=N_THREADS, verbose=False, seed=0, gguf_direct=True)
     result: dict = {}
     try:
-        Llama(spec["model"], cache_slots=spec["too_few_slots"], **kwargs)
+        if "too_few_slots" in spec:
+            Llama(spec["model"], cache_slots=spec["too_few_slots"], **kwargs)
     except CapacityError as exc:
         result["capacity_error"] = str(exc)
     with Llama(spec["model"], **spec["llama"], **kwargs) as llm:

@@ -8,10 +8,12 @@ copier's per-block events keep a refill from overtaking an earlier copy out of t
 (or is not known to have completed and passed its check) is ``abandon``-ed: its block is freed, mapped to
 no key. An expert evicted from the pool stays in RAM until the tier itself evicts it.
 
-``tier_blocks`` sizes the tier; ``chunked_blocks`` carves the blocks out of a few large allocations.
+``tier_blocks`` sizes the tier (``ram_cache_mib="auto"``: half the spare RAM, ``spare_ram_bytes``);
+``chunked_blocks`` carves the blocks out of a few large allocations.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -22,6 +24,8 @@ from ..errors import CapacityError
 from .settings import MIB, StreamingSettings
 
 CHUNK_BYTES = 1 << 30  # one allocation holds at most this many bytes of blocks (at least one block)
+AUTO = "auto"
+AUTO_SHARE = 0.5  # of the spare RAM; the rest stays for the KV cache, compute buffers and the page cache
 
 
 @dataclass(frozen=True)
@@ -58,16 +62,42 @@ class HostTier:
         return self.policy.resident()
 
 
+def spare_ram_bytes(meminfo: str = "/proc/meminfo", cgroup_list: str = "/proc/self/cgroup",
+                    cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Memory this process could still take: MemAvailable, or less where its cgroup (v2) sets memory.max."""
+    with open(meminfo) as lines:
+        spare = next(int(line.split()[1]) << 10 for line in lines if line.startswith("MemAvailable:"))
+    try:
+        with open(cgroup_list) as lines:
+            group = next(line.strip()[3:] for line in lines if line.startswith("0::"))
+        folder = os.path.join(cgroup_root, group.lstrip("/"))
+        with open(os.path.join(folder, "memory.max")) as limit, open(os.path.join(folder, "memory.current")) as used:
+            cap = limit.read().strip()
+            if cap != "max":
+                spare = min(spare, max(int(cap) - int(used.read()), 0))
+    except (OSError, StopIteration, ValueError):
+        pass  # no cgroup v2 (or no limit to read): MemAvailable alone
+    return spare
+
+
 def tier_blocks(settings: StreamingSettings, block_bytes: int, n_expert: int, n_moe_layers: int,
-                n_expert_used: int, n_ubatch: int) -> int:
+                n_expert_used: int, n_ubatch: int, spare_ram: int | None = None) -> int:
     """``floor(ram_cache_mib MiB / block_bytes)`` blocks, at most every expert of the model (0: no tier).
 
-    Raises CapacityError when the tier cannot hold the distinct experts one ubatch of one layer may use.
+    ``ram_cache_mib="auto"``: ``AUTO_SHARE`` of ``spare_ram`` bytes, or no tier (0) when that cannot hold
+    the distinct experts one ubatch of one layer may use; a size given in MiB that cannot hold them raises
+    CapacityError.
     """
     if settings.ram_cache_mib is None:
         return 0
-    blocks = min(int(settings.ram_cache_mib * MIB) // block_bytes, n_expert * n_moe_layers)
+    auto = settings.ram_cache_mib == AUTO
+    if auto and spare_ram is None:
+        raise ValueError('ram_cache_mib="auto" needs the spare RAM (spare_ram_bytes())')
+    budget = int(AUTO_SHARE * spare_ram) if auto else int(settings.ram_cache_mib * MIB)
+    blocks = min(budget // block_bytes, n_expert * n_moe_layers)
     needed = min(n_expert, n_expert_used * n_ubatch)
+    if blocks < needed and auto:
+        return 0
     if blocks < needed:
         raise CapacityError(
             f"the RAM tier holds {blocks} experts (ram_cache_mib={settings.ram_cache_mib:g}; "

@@ -22,7 +22,9 @@ class StreamingSettings:
     rewritten every ``stats_flush_interval`` acquires. ``verify_pack_sha256``: check every block read
     against the manifest (pack mode only). ``read_timeout_s``: a read that has not finished by then fails
     the decode (None: wait forever). ``ram_cache_mib``: a host-RAM tier of that many MiB (pinned for a GPU
-    pool) holding whole expert blocks between the SSD and the pool (None: no tier; see host_tier).
+    pool) holding whole expert blocks between the SSD and the pool (None: no tier; "auto": half the RAM
+    still available to the process, its cgroup's limit included, or no tier when that holds too little; see
+    host_tier).
     ``prefetch``: router lookahead; while a layer computes, read the experts the next layer's router would
     pick from this layer's input, into ``prefetch_slots`` buffers of their own, only while no demand read
     is queued or running (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
@@ -45,7 +47,7 @@ class StreamingSettings:
     verify_pack_sha256: bool = False
     n_slots: int | None = None
     read_timeout_s: float | None = 60.0
-    ram_cache_mib: float | None = None
+    ram_cache_mib: float | str | None = None
     prefetch: bool = False
     prefetch_slots: int = 4
     prefetch_top: int | None = None
@@ -62,8 +64,9 @@ class StreamingSettings:
             raise ValueError(f"prefetch_depth must be in [1, {MAX_LOOKAHEAD}] (got {self.prefetch_depth})")
         if self.cache_vram_mib is not None and self.cache_vram_mib <= 0:
             raise ValueError(f"cache_vram_mib must be > 0 (got {self.cache_vram_mib})")
-        if self.ram_cache_mib is not None and not self.ram_cache_mib > 0:
-            raise ValueError(f"ram_cache_mib must be > 0 or None (got {self.ram_cache_mib})")
+        if self.ram_cache_mib is not None and self.ram_cache_mib != "auto" and not (
+                isinstance(self.ram_cache_mib, (int, float)) and 0 < self.ram_cache_mib < float("inf")):
+            raise ValueError(f'ram_cache_mib must be > 0, "auto" or None (got {self.ram_cache_mib!r})')
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be > 0 or None (got {self.read_timeout_s})")
         if self.cache_vram_reserve_mib < 0:

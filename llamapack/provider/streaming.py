@@ -42,12 +42,12 @@ from ..errors import PackIOError
 from ..cache_policy import LfuLruPolicy, SlotAssignment
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
-from .host_tier import HostTier, TierPlan, tier_blocks
+from .host_tier import AUTO, HostTier, TierPlan, spare_ram_bytes, tier_blocks
 from .prefetch import PrefetchBook, PrefetchEntry
 from .native_reads import NativeReads
 from .reads import PackSource, ThreadReads, open_source
 from .reference import check_reader_matches_model
-from .settings import StreamingSettings, slot_budget
+from .settings import MIB, StreamingSettings, slot_budget
 from .slots import SlotLayout
 
 __all__ = ["StreamingProvider", "StreamingSettings"]
@@ -96,8 +96,12 @@ class StreamingProvider:
             self._first_layer, self._stride = loaded_layers[0], pack_layout.expert_stride
             self._segments = {entry.layer: tuple((role.role, role.offset, role.nbytes) for role in entry.roles)
                               for entry in pack_layout.layers}
+            spare = spare_ram_bytes() if settings.ram_cache_mib == AUTO else None
             n_blocks = tier_blocks(settings, self._stride, pack_layout.num_experts, len(loaded_layers),
-                                   n_expert_used, n_ubatch)
+                                   n_expert_used, n_ubatch, spare)
+            if spare is not None:
+                log.info("RAM tier (auto): %d expert blocks, %.0f MiB of %.0f MiB spare", n_blocks,
+                         n_blocks * self._stride / MIB, spare / MIB)
             self.tier = HostTier(n_blocks) if n_blocks else None
             n_buffers = n_blocks or settings.stage_slots  # the copier's buffers: RAM blocks, or staging buffers
             n_lookahead = settings.prefetch_slots if settings.prefetch else 0  # ... then the lookahead buffers
