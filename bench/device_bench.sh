@@ -14,6 +14,7 @@
 #   N times) and SHUFFLE_SEED=S (each round in a seeded shuffled order); CONFIGS may combine options freely
 #   (e.g. pack-25%+ram25%+prefetch-top2@8G: llamapack/bench/configs.py, NAME_GRAMMAR)
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round5", ...)  # #9 fifth round: see below
+#   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round6", ...)  # #9 sixth round: see below
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -91,6 +92,14 @@ round5)  # #9, fifth round: build, CUDA bit-exact with a RAM tier and lookahead 
     start_model "${SKEW:-0}"
     build_cuda
     bitexact cuda_bitexact_ramtier_prefetch.json --ram-cache-mib 24 --prefetch
+    wait_for_model
+    ;;
+round6)  # #9, sixth round: build, CUDA bit-exact of the tier's lookahead buffer swap (a small tier, so lookahead
+        # reads often become RAM blocks), one lookahead layer and two with one piece in flight, then model and pack
+    start_model "${SKEW:-0}"
+    build_cuda
+    bitexact cuda_bitexact_ramtier_swap.json --ram-cache-mib 24 --prefetch
+    bitexact cuda_bitexact_ramtier_swap_depth2.json --ram-cache-mib 24 --prefetch --prefetch-depth 2 --prefetch-in-flight 1
     wait_for_model
     ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)

@@ -78,6 +78,11 @@ def test_spare_ram_is_memavailable_capped_by_the_cgroup_limit(tmp_path):
     paths = dict(meminfo=str(tmp_path / "meminfo"), cgroup_list=str(tmp_path / "cgroup"),
                  cgroup_root=str(tmp_path / "root"))
     assert spare_ram_bytes(**paths) == 5 << 30  # the limit leaves 5 GiB of the 19 available
+    (group / "memory.stat").write_text(f"anon {2 << 30}\nfile {1 << 30}\nactive_file {1 << 29}\n"
+                                       f"inactive_file {1 << 29}\n")
+    assert spare_ram_bytes(**paths) == (5 << 30) + (1 << 29)  # reclaimable page cache counts as spare
+    (group / "memory.current").write_text(str(9 << 30) + "\n")
+    assert spare_ram_bytes(**paths) == 0  # over the limit: nothing spare, never negative
     (group / "memory.max").write_text("max\n")
     assert spare_ram_bytes(**paths) == 20000000 << 10  # no limit: MemAvailable
     (tmp_path / "cgroup").write_text("12:memory:/legacy\n")  # cgroup v1 only: MemAvailable

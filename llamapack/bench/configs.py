@@ -22,8 +22,10 @@ class BenchConfig:
     ``cpu_moe``: vanilla with routed experts in host memory, computed on the CPU. ``repack``: llama.cpp's
     CPU weight repacking (``use_extra_bufts``; off means the experts stay mmapped). ``vram_fraction``: the
     expert cache's share of all routed experts (pack modes). ``memory_limit_mib``: a cgroup ``memory.max``
-    the run is held to (None: no limit). ``prefetch``: router lookahead (pack modes). ``native_reads``: pack reads on
-    the native read pool (True) or Python threads (False); None: the provider's default. ``reference``: the run other runs' logits are compared with."""
+    the run is held to (None: no limit). ``ram_fraction``: a host-RAM tier holding that share of the experts;
+    ``ram_auto``: one the provider sizes from the spare RAM (``ram_cache_mib="auto"``). ``prefetch``: router
+    lookahead (pack modes). ``native_reads``: pack reads on the native read pool (True) or Python threads
+    (False); None: the provider's default. ``reference``: the run other runs' logits are compared with."""
 
     name: str
     source: str = VANILLA
@@ -31,6 +33,7 @@ class BenchConfig:
     repack: bool = True
     vram_fraction: float | None = None
     ram_fraction: float | None = None
+    ram_auto: bool = False
     prefetch: bool = False
     prefetch_top: int | None = None
     prefetch_depth: int = 1
@@ -49,6 +52,9 @@ class BenchConfig:
             raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
         if (self.prefetch or self.read_splits is not None or self.native_reads is not None) and self.source == VANILLA:
             raise ValueError(f"{self.name}: prefetch, read_splits and native_reads are llamapack settings")
+        if self.ram_auto and (self.ram_fraction is not None or self.source == VANILLA):
+            raise ValueError(f"{self.name}: ram_auto (a RAM tier sized by the spare RAM) is a llamapack setting, "
+                             "instead of ram_fraction")
         if self.cpu_moe and self.source != VANILLA:
             raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
         if not 1 <= self.prefetch_depth <= 8 or (self.read_splits is not None and self.read_splits < 1):
@@ -66,7 +72,10 @@ class BenchConfig:
         """Experts the VRAM cache holds, for a model of ``n_experts`` routed experts (all layers)."""
         return None if self.vram_fraction is None else max(1, round(self.vram_fraction * n_experts))
 
-    def ram_cache_mib(self, expert_bytes: int) -> float | None:
+    def ram_cache_mib(self, expert_bytes: int) -> float | str | None:
+        """The provider's ``ram_cache_mib``: the tier's share of ``expert_bytes``, "auto", or None (no tier)."""
+        if self.ram_auto:
+            return "auto"
         return None if self.ram_fraction is None else self.ram_fraction * expert_bytes / MIB
 
     def as_dict(self) -> dict:
@@ -136,9 +145,9 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
     return configs
 
 
-NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +prefetch, "
-                "+prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, then @NG or @NM")
-_SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
+NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
+                "+prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, then @NG or @NM")
+_SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
                      r"|prefetch-c(?P<flight>\d+)|prefetch|split(?P<split>\d+)|native|pyreads)(?=\+|$)")
 
 
@@ -168,7 +177,9 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
         if not match:
             raise ValueError(f"{name}: unknown option {rest[1:].split('+')[0]!r}")
         option, rest = match[1], rest[match.end():]
-        if option == "ram" or match["ram"]:
+        if option == "ramauto":
+            fields["ram_auto"] = True
+        elif option == "ram" or match["ram"]:
             fields["ram_fraction"] = float(match["ram"]) / 100 if match["ram"] else 1.0
         elif option.startswith("prefetch"):
             fields["prefetch"] = True

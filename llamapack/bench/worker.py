@@ -41,7 +41,8 @@ def load(spec: dict, config: BenchConfig):
             return llama_cpp.Llama(spec["model"], **params)
     from ..llama import Llama
 
-    extra = {} if config.ram_fraction is None else dict(ram_cache_mib=config.ram_cache_mib(spec["expert_bytes"]))
+    ram_cache_mib = config.ram_cache_mib(spec["expert_bytes"])
+    extra = {} if ram_cache_mib is None else dict(ram_cache_mib=ram_cache_mib)
     if config.prefetch:
         extra.update(prefetch=True, prefetch_top=config.prefetch_top, prefetch_depth=config.prefetch_depth,
                      prefetch_slots=4 * config.prefetch_depth, prefetch_in_flight=config.prefetch_in_flight)

@@ -64,7 +64,11 @@ class HostTier:
 
 def spare_ram_bytes(meminfo: str = "/proc/meminfo", cgroup_list: str = "/proc/self/cgroup",
                     cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """Memory this process could still take: MemAvailable, or less where its cgroup (v2) sets memory.max."""
+    """Memory this process could still take: MemAvailable, or less where its cgroup (v2) sets memory.max.
+
+    In a cgroup, memory.current counts page cache too (the GGUF just read, say); its inactive file pages are
+    reclaimable, so they count as spare, as in the usual working-set measure (current - inactive_file).
+    """
     with open(meminfo) as lines:
         spare = next(int(line.split()[1]) << 10 for line in lines if line.startswith("MemAvailable:"))
     try:
@@ -72,12 +76,20 @@ def spare_ram_bytes(meminfo: str = "/proc/meminfo", cgroup_list: str = "/proc/se
             group = next(line.strip()[3:] for line in lines if line.startswith("0::"))
         folder = os.path.join(cgroup_root, group.lstrip("/"))
         with open(os.path.join(folder, "memory.max")) as limit, open(os.path.join(folder, "memory.current")) as used:
-            cap = limit.read().strip()
-            if cap != "max":
-                spare = min(spare, max(int(cap) - int(used.read()), 0))
+            cap, current = limit.read().strip(), int(used.read())
+        if cap != "max":
+            spare = min(spare, max(int(cap) - current + _inactive_file_bytes(folder), 0))
     except (OSError, StopIteration, ValueError):
         pass  # no cgroup v2 (or no limit to read): MemAvailable alone
     return spare
+
+
+def _inactive_file_bytes(cgroup_folder: str) -> int:
+    try:
+        with open(os.path.join(cgroup_folder, "memory.stat")) as lines:
+            return next((int(line.split()[1]) for line in lines if line.startswith("inactive_file ")), 0)
+    except OSError:
+        return 0
 
 
 def tier_blocks(settings: StreamingSettings, block_bytes: int, n_expert: int, n_moe_layers: int,
