@@ -49,6 +49,7 @@ def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_
         streaming_ = streaming or {}
         depth = streaming_.get("prefetch_depth", 1)
         label = provider + ("+ram" if streaming_.get("ram_cache_mib") else "") + (
+            "+preload" if streaming_.get("ram_preload") else "") + (
             ("+prefetch" + (f"-d{depth}" if depth > 1 else "")) if streaming_.get("prefetch") else "")
         cases.append(case(preset, label, source, n_ubatch, n_prompt, n_slots, spec.n_expert, want, noprov, got,
                           stats, time.time() - t0))
@@ -65,6 +66,7 @@ def case(preset, provider, source, n_ubatch, n_prompt, n_slots, n_expert, want, 
                 argmax_agree=float((got.argmax(1) == want.argmax(1)).mean()),
                 cache_misses=stats["cache_misses"], cache_evictions=stats["cache_evictions"],
                 prefetch_used=stats.get("prefetch_used", 0), lookahead_accuracy=stats.get("lookahead_accuracy"),
+                ram_preloaded=stats.get("ram_preloaded", 0), ram_hits=stats.get("ram_hits", 0),
                 read_engine=stats.get("read_engine", "-"), seconds=round(seconds, 1))
 
 
@@ -80,6 +82,8 @@ def markdown(results: list[dict]) -> str:
 
 def streaming_settings(args) -> dict:
     settings = dict(ram_cache_mib=args.ram_cache_mib) if args.ram_cache_mib else {}
+    if args.ram_preload:
+        settings["ram_preload"] = True
     if args.prefetch_in_flight:
         settings["prefetch_in_flight"] = args.prefetch_in_flight
     if args.prefetch_depth > 1:
@@ -99,6 +103,8 @@ def main() -> int:
     parser.add_argument("--sources", nargs="*", choices=["gguf", "pack"], default=["gguf"],
                         help="where the provider reads experts: GGUF-direct, the expert pack, or both")
     parser.add_argument("--ram-cache-mib", type=float, help="streaming provider: a host-RAM tier of this size")
+    parser.add_argument("--ram-preload", action="store_true",
+                        help="streaming provider: fill the RAM tier (--ram-cache-mib) at start-up")
     parser.add_argument("--prefetch", action="store_true", help="streaming provider: router-lookahead prefetch")
     parser.add_argument("--prefetch-depth", type=int, default=1,
                         help="streaming provider: prefetch guessing this many layers ahead (implies --prefetch)")

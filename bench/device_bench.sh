@@ -15,6 +15,7 @@
 #   (e.g. pack-25%+ram25%+prefetch-top2@8G: llamapack/bench/configs.py, NAME_GRAMMAR)
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round5", ...)  # #9 fifth round: see below
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round6", ...)  # #9 sixth round: see below
+#   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round7", ...)  # #9 seventh round: see below
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -100,6 +101,13 @@ round6)  # #9, sixth round: build, CUDA bit-exact of the tier's lookahead buffer
     build_cuda
     bitexact cuda_bitexact_ramtier_swap.json --ram-cache-mib 24 --prefetch
     bitexact cuda_bitexact_ramtier_swap_depth2.json --ram-cache-mib 24 --prefetch --prefetch-depth 2 --prefetch-in-flight 1
+    wait_for_model
+    ;;
+round7)  # #9, seventh round: build, CUDA bit-exact with the RAM tier preloaded at start-up (13 MiB: part of the
+        # experts of qwen3moe and mixtral, so their decode streams through the tier; all of the others'), model
+    start_model "${SKEW:-0}"
+    build_cuda
+    bitexact cuda_bitexact_ramtier_preload.json --ram-cache-mib 13 --ram-preload
     wait_for_model
     ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)

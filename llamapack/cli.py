@@ -106,11 +106,16 @@ class RamCacheMib(click.ParamType):
 RAM_CACHE_MIB = RamCacheMib()
 
 
-def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool) -> dict:
-    """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve)."""
-    options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, prefetch=prefetch or None).items() if v is not None}
+def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool,
+                 ram_preload: bool = False) -> dict:
+    """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve), and
+    --ram-preload without --ram-cache-mib (no tier to fill)."""
+    options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, ram_preload=ram_preload or None,
+                                     prefetch=prefetch or None).items() if v is not None}
     if options and pack is None and not gguf_direct:
         raise click.ClickException(f"--{next(iter(options)).replace('_', '-')} needs --pack or --gguf-direct")
+    if ram_preload and ram_cache_mib is None:
+        raise click.ClickException("--ram-preload fills the RAM tier: give --ram-cache-mib (MiB or auto)")
     return options
 
 
@@ -132,13 +137,15 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
               help="Expert cache size in MiB (GPU memory with -ngl, else host memory).")
 @click.option("--ram-cache-mib", type=RAM_CACHE_MIB,
               help='Host-RAM tier between the SSD and the expert cache, in MiB; "auto": half the spare RAM.')
+@click.option("--ram-preload", is_flag=True,
+              help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
-        cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None, prefetch: bool,
-        chat: bool, stats_json: str | None) -> None:
+        cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None,
+        ram_preload: bool, prefetch: bool, chat: bool, stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
@@ -147,7 +154,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload))
     if ubatch_size is not None:
         params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
     if seed is not None:
@@ -195,10 +202,12 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
 @click.option("--ram-cache-mib", type=RAM_CACHE_MIB,
               help='Host-RAM tier between the SSD and the expert cache, in MiB; "auto": half the spare RAM.')
+@click.option("--ram-preload", is_flag=True,
+              help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
-          ram_cache_mib: float | str | None, prefetch: bool) -> None:
+          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from werkzeug.serving import run_simple
 
@@ -208,7 +217,7 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
                     **params) as llm:
         app = create_app(llm, api_key=api_key, queue_size=queue_size)

@@ -67,7 +67,8 @@ class Llama(llama_cpp.Llama):
                  stats_path: str | os.PathLike | None = DEFAULTS.stats_path,
                  stats_flush_interval: int = DEFAULTS.stats_flush_interval,
                  read_timeout_s: float | None = DEFAULTS.read_timeout_s,
-                 ram_cache_mib: float | str | None = DEFAULTS.ram_cache_mib, prefetch: bool = DEFAULTS.prefetch,
+                 ram_cache_mib: float | str | None = DEFAULTS.ram_cache_mib, ram_preload: bool = DEFAULTS.ram_preload,
+                 prefetch: bool = DEFAULTS.prefetch,
                  prefetch_slots: int = DEFAULTS.prefetch_slots, prefetch_top: int | None = DEFAULTS.prefetch_top,
                  prefetch_depth: int = DEFAULTS.prefetch_depth, prefetch_in_flight: int | None = DEFAULTS.prefetch_in_flight,
                  native_reads: bool | None = DEFAULTS.native_reads,
@@ -78,7 +79,7 @@ class Llama(llama_cpp.Llama):
             verify_pack_sha256=verify_pack_sha256, cache_vram_mib=cache_vram_mib,
             cache_vram_reserve_mib=cache_vram_reserve_mib, stage_slots=stage_slots, read_splits=read_splits,
             stats_path=None if stats_path is None else os.fspath(stats_path), stats_flush_interval=stats_flush_interval,
-            read_timeout_s=read_timeout_s, ram_cache_mib=ram_cache_mib, prefetch=prefetch,
+            read_timeout_s=read_timeout_s, ram_cache_mib=ram_cache_mib, ram_preload=ram_preload, prefetch=prefetch,
             prefetch_slots=prefetch_slots, prefetch_top=prefetch_top, prefetch_depth=prefetch_depth,
             prefetch_in_flight=prefetch_in_flight, native_reads=native_reads)
         if self.pack_settings is None:

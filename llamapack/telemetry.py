@@ -10,7 +10,7 @@ token once (the provider adds a ubatch's tokens once, not once per MoE layer); t
 seconds the provider spent waiting on pack reads and on host-to-device copies; ``provide_s`` is all of its
 time inside ``acquire``. The ``ram_*`` fields count the host-RAM tier's lookups (one per slot-pool miss);
 ``pack_read_bytes`` counts only what was read from the SSD (lookahead reads included: a used one when it is
-used, a wasted one when its buffer is reclaimed).
+used, a wasted one when its buffer is reclaimed); a RAM tier preload's reads are ``ram_preload_bytes``.
 """
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ class ProviderCounters:
     ram_hits: int = 0       # host-RAM tier: slot-pool misses served from a RAM block (no SSD read)
     ram_misses: int = 0     # slot-pool misses read from the SSD into a RAM block (ram_hits + ram_misses ==
     ram_evictions: int = 0  # cache_misses while the tier is on); RAM blocks taken from another expert
+    ram_preloaded: int = 0  # RAM blocks filled by the start-up preload (ram_preload) ...
+    ram_preload_bytes: int = 0  # ... and the SSD bytes it read (not in pack_read_bytes: no token asked)
     lookahead_keys: int = 0     # router lookahead: experts a layer asked for that had a prediction ...
     lookahead_hits: int = 0     # ... and how many of them were predicted (accuracy = hits / keys)
     prefetch_reads: int = 0     # lookahead reads started (predicted, in neither the pool nor the RAM tier)

@@ -92,10 +92,11 @@ def test_a_combination_outside_the_matrix_is_parsed():
     assert (auto.ram_auto, auto.ram_fraction, auto.ram_cache_mib(1 << 30), auto.prefetch_top) == (True, None, "auto", 1)
     assert parse_config("pack-25%+ram50%", 16).ram_cache_mib(1 << 30) == 512
     assert parse_config("pack-25%", 16).ram_cache_mib(1 << 30) is None
+    assert parse_config("pack-25%+ram+preload", 16).ram_preload and parse_config("pack-25%+ramauto+preload", 16).ram_auto
     for name, message in (("pack-25%+nope@8G", "unknown option 'nope'"), ("pack-x%", "unknown run"),
                           ("pack-25%@8X", "@<n>G or @<n>M"), ("cpu-moe+prefetch", "llamapack settings"),
                           ("pack-250%", "must be in"), ("pack-25%+ram50%+ramauto", "instead of ram_fraction"),
-                          ("vanilla+ramauto", "llamapack setting")):
+                          ("vanilla+ramauto", "llamapack setting"), ("pack-25%+preload", "needs ram_fraction")):
         with pytest.raises(ValueError, match=message):
             parse_config(name, 16)
     chosen = select(default_matrix(2, None, gpu=False), ["pack-25%+ram50%", "vanilla"], n_cores=2)

@@ -123,6 +123,12 @@ def test_run_with_prefetch_and_ram_tier_writes_the_same_text(models, tmp_path):
                             "--ram-cache-mib", "auto", "--stats-json", str(stats_path))
     assert code == 0, err
     assert out == plain and json.loads(stats_path.read_text())["pack"]["ram_slots"] > 0  # sized from spare RAM
+    code, out, err = invoke("run", str(model), *GREEDY, "-ub", "1", "--pack", "--cache-slots", "4",
+                            "--ram-cache-mib", "auto", "--ram-preload", "--stats-json", str(stats_path))
+    assert code == 0, err
+    pack = json.loads(stats_path.read_text())["pack"]
+    assert out == plain and pack["ram_preloaded"] == pack["ram_slots"] > 0  # the tier filled at start-up...
+    assert pack["pack_read_bytes"] == 0 and pack["ram_misses"] == 0  # ...so no token waited on the SSD
 
 
 def test_run_chat_reads_lines_until_empty(models, tmp_path):
@@ -161,6 +167,8 @@ ERROR_CASES = {
                      "Error: manifest not found"),
     "prefetch without a pack": (lambda m, tmp: [str(m[0][0]), "--prefetch", "-p", "x"],
                                 "Error: --prefetch needs --pack or --gguf-direct"),
+    "preload without a RAM tier": (lambda m, tmp: [str(m[0][0]), "--pack", "--ram-preload", "-p", "x"],
+                                   "Error: --ram-preload fills the RAM tier: give --ram-cache-mib"),
     "cache too small": (lambda m, tmp: [str(m[0][0]), "--pack", "--cache-slots", "1", "-ub", "512", "-p", "x"],
                         "Error: the expert cache holds 1 experts"),
 }

@@ -7,6 +7,7 @@ reports the tier's residency after a failed request).
 """
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from hookutil import smallest_pool as small_pool
 
 from llamapack.cache_policy import LfuLruPolicy
 from llamapack.errors import CapacityError
-from llamapack.provider.host_tier import HostTier, chunked_blocks, tier_blocks
+from llamapack.provider.host_tier import HostTier, chunked_blocks, preload_keys, tier_blocks
 from llamapack.provider.settings import MIB, StreamingSettings
 from llamapack.provider.slots import aligned_empty
 
@@ -88,6 +89,16 @@ def test_spare_ram_is_memavailable_capped_by_the_cgroup_limit(tmp_path):
     (tmp_path / "cgroup").write_text("12:memory:/legacy\n")  # cgroup v1 only: MemAvailable
     assert spare_ram_bytes(**paths) == 20000000 << 10
     assert spare_ram_bytes() > 0  # this machine
+
+
+def test_preload_keys_give_every_layer_the_same_share():
+    assert preload_keys([0, 1], 3, 100) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]  # every expert
+    part = preload_keys([2, 5, 7], 8, 7)
+    assert len(part) == 7 and len(set(part)) == 7
+    assert sorted(sum(1 for layer, _ in part if layer == want) for want in (2, 5, 7)) == [2, 2, 3]
+    assert preload_keys([0], 4, 0) == []
+    with pytest.raises(ValueError, match="needs ram_cache_mib"):
+        StreamingSettings(ram_preload=True)
 
 
 def test_chunked_blocks_are_few_aligned_allocations():
@@ -322,3 +333,41 @@ def test_an_auto_tier_holds_every_expert_of_a_tiny_model(models, vanilla, tmp_pa
     result = run_self(spec, tmp_path)
     assert np.array_equal(np.load(tmp_path / "a.npy"), vanilla("qwen3moe-tiny", 7))
     assert result["stats"]["ram_slots"] == n_keys("qwen3moe-tiny") and result["stats"]["ram_hits"] > 0
+
+
+@pytest.mark.parametrize("source", ["pack", "gguf"])
+def test_a_preloaded_tier_serves_every_miss_from_ram(source, models, vanilla, tmp_path):
+    """ram_preload with a tier of every expert: filled at start-up, bit-exact, and the decode reads nothing."""
+    preset = "qwen3moe-tiny"
+    spec = spec_for(models[preset][0], 7, tmp_path / "p.npy", provider="streaming", n_slots=16,
+                    streaming=dict(stage_slots=3, read_splits=2, ram_cache_mib=1e6, ram_preload=True),
+                    **source_spec(models, preset, source))
+    result = run_self(spec, tmp_path)
+    assert np.array_equal(np.load(tmp_path / "p.npy"), vanilla(preset, 7))
+    stats = result["stats"]
+    from llamapack.synth import PRESETS as SPECS
+
+    keys = preload_keys(range(SPECS[preset].n_layer), SPECS[preset].n_expert, n_keys(preset))
+    assert stats["ram_preloaded"] == stats["ram_slots"] == n_keys(preset) == len(keys)
+    assert stats["ram_preload_bytes"] == expected_read_bytes(keys, models, preset, source)
+    assert stats["pack_read_bytes"] == 0 and stats["ram_misses"] == 0 and stats["io_errors"] == 0
+    assert stats["ram_hits"] == stats["cache_misses"] > 0
+
+
+def test_a_preload_read_failing_its_sha256_refuses_to_start(models, tmp_path):
+    from llamapack.pack import PackReader, build_pack
+
+    gguf, _ = models["qwen3moe-tiny"]
+    pack = Path(build_pack(gguf, tmp_path / "bad.expert-pack", progress=False, safety_margin_mib=0).pack_path)
+    layer, expert = 1, 2
+    with PackReader(pack) as reader:
+        offset = reader.layout.block_offset(layer, expert) + 4097
+    with open(pack, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    spec = spec_for(gguf, 7, tmp_path / "x.npy", n_slots=16, provider="streaming", n_decode=None, pack=True,
+                    serve_from=str(pack), streaming=dict(verify_pack_sha256=True, ram_cache_mib=1e6, ram_preload=True))
+    result = run_self(spec, tmp_path)
+    assert result["init_error"].startswith("IntegrityError") and f"layer {layer} expert {expert}" in result["init_error"]

@@ -23,7 +23,8 @@ class BenchConfig:
     CPU weight repacking (``use_extra_bufts``; off means the experts stay mmapped). ``vram_fraction``: the
     expert cache's share of all routed experts (pack modes). ``memory_limit_mib``: a cgroup ``memory.max``
     the run is held to (None: no limit). ``ram_fraction``: a host-RAM tier holding that share of the experts;
-    ``ram_auto``: one the provider sizes from the spare RAM (``ram_cache_mib="auto"``). ``prefetch``: router
+    ``ram_auto``: one the provider sizes from the spare RAM (``ram_cache_mib="auto"``); ``ram_preload``: that
+    tier filled from the SSD at load (its time is in the run's load time). ``prefetch``: router
     lookahead (pack modes). ``native_reads``: pack reads on the native read pool (True) or Python threads
     (False); None: the provider's default. ``reference``: the run other runs' logits are compared with."""
 
@@ -34,6 +35,7 @@ class BenchConfig:
     vram_fraction: float | None = None
     ram_fraction: float | None = None
     ram_auto: bool = False
+    ram_preload: bool = False
     prefetch: bool = False
     prefetch_top: int | None = None
     prefetch_depth: int = 1
@@ -55,6 +57,8 @@ class BenchConfig:
         if self.ram_auto and (self.ram_fraction is not None or self.source == VANILLA):
             raise ValueError(f"{self.name}: ram_auto (a RAM tier sized by the spare RAM) is a llamapack setting, "
                              "instead of ram_fraction")
+        if self.ram_preload and self.ram_fraction is None and not self.ram_auto:
+            raise ValueError(f"{self.name}: ram_preload fills a RAM tier: it needs ram_fraction or ram_auto")
         if self.cpu_moe and self.source != VANILLA:
             raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
         if not 1 <= self.prefetch_depth <= 8 or (self.read_splits is not None and self.read_splits < 1):
@@ -146,9 +150,9 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
-                "+prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, then @NG or @NM")
+                "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|split(?P<split>\d+)|native|pyreads)(?=\+|$)")
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads)(?=\+|$)")
 
 
 def parse_config(name: str, n_cores: int) -> BenchConfig:
@@ -179,6 +183,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
         option, rest = match[1], rest[match.end():]
         if option == "ramauto":
             fields["ram_auto"] = True
+        elif option == "preload":
+            fields["ram_preload"] = True
         elif option == "ram" or match["ram"]:
             fields["ram_fraction"] = float(match["ram"]) / 100 if match["ram"] else 1.0
         elif option.startswith("prefetch"):

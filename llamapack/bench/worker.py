@@ -42,7 +42,7 @@ def load(spec: dict, config: BenchConfig):
     from ..llama import Llama
 
     ram_cache_mib = config.ram_cache_mib(spec["expert_bytes"])
-    extra = {} if ram_cache_mib is None else dict(ram_cache_mib=ram_cache_mib)
+    extra = {} if ram_cache_mib is None else dict(ram_cache_mib=ram_cache_mib, ram_preload=config.ram_preload)
     if config.prefetch:
         extra.update(prefetch=True, prefetch_top=config.prefetch_top, prefetch_depth=config.prefetch_depth,
                      prefetch_slots=4 * config.prefetch_depth, prefetch_in_flight=config.prefetch_in_flight)

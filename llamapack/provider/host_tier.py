@@ -9,7 +9,8 @@ copier's per-block events keep a refill from overtaking an earlier copy out of t
 no key. An expert evicted from the pool stays in RAM until the tier itself evicts it.
 
 ``tier_blocks`` sizes the tier (``ram_cache_mib="auto"``: half the spare RAM, ``spare_ram_bytes``);
-``chunked_blocks`` carves the blocks out of a few large allocations.
+``chunked_blocks`` carves the blocks out of a few large allocations; ``preload_keys`` is what a preload
+(``ram_preload``) fills the tier with before the first decode.
 """
 from __future__ import annotations
 
@@ -116,6 +117,15 @@ def tier_blocks(settings: StreamingSettings, block_bytes: int, n_expert: int, n_
             f"{block_bytes / MIB:.2f} MiB per expert block) but one ubatch of {n_ubatch} tokens may use {needed} "
             f"experts of one layer ({needed * block_bytes / MIB:.2f} MiB); raise ram_cache_mib or lower n_ubatch")
     return blocks
+
+
+def preload_keys(layers: Sequence[int], n_expert: int, n_blocks: int) -> list[Key]:
+    """The first ``n_blocks`` keys of a tier preload: expert 0 of every layer, then expert 1 of every layer...
+
+    Every expert when the tier holds them all; else each layer gets the same share (within one expert), since
+    nothing is known yet about which experts the router prefers."""
+    order = [(layer, expert) for expert in range(n_expert) for layer in layers]
+    return order[:max(n_blocks, 0)]
 
 
 def chunked_blocks(allocate: Callable[[int], tuple[object, np.ndarray]], n_blocks: int, block_bytes: int,

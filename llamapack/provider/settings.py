@@ -24,7 +24,9 @@ class StreamingSettings:
     the decode (None: wait forever). ``ram_cache_mib``: a host-RAM tier of that many MiB (pinned for a GPU
     pool) holding whole expert blocks between the SSD and the pool (None: no tier; "auto": half the RAM
     still available to the process, its cgroup's limit included, or no tier when that holds too little; see
-    host_tier).
+    host_tier). ``ram_preload``: fill the tier from the SSD when the provider starts (every expert when it
+    holds them all, else an equal share of each layer's), so that the first tokens do not wait on the SSD;
+    start-up then takes the time of reading the tier's bytes.
     ``prefetch``: router lookahead; while a layer computes, read the experts the next layer's router would
     pick from this layer's input, into ``prefetch_slots`` buffers of their own, only while no demand read
     is queued or running (see prefetch); ``prefetch_top``: only each token's best that many guesses (None: all
@@ -48,6 +50,7 @@ class StreamingSettings:
     n_slots: int | None = None
     read_timeout_s: float | None = 60.0
     ram_cache_mib: float | str | None = None
+    ram_preload: bool = False
     prefetch: bool = False
     prefetch_slots: int = 4
     prefetch_top: int | None = None
@@ -67,6 +70,8 @@ class StreamingSettings:
         if self.ram_cache_mib is not None and self.ram_cache_mib != "auto" and not (
                 isinstance(self.ram_cache_mib, (int, float)) and 0 < self.ram_cache_mib < float("inf")):
             raise ValueError(f'ram_cache_mib must be > 0, "auto" or None (got {self.ram_cache_mib!r})')
+        if self.ram_preload and self.ram_cache_mib is None:
+            raise ValueError("ram_preload fills the RAM tier: it needs ram_cache_mib (a size or \"auto\")")
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be > 0 or None (got {self.read_timeout_s})")
         if self.cache_vram_reserve_mib < 0:

@@ -19,6 +19,8 @@ With ``ram_cache_mib`` a host-RAM tier (host_tier.HostTier) sits between the SSD
 replace the staging buffers as read targets. A pool miss whose expert is in a RAM block is copied from it
 (a RAM hit, no read); any other is read into the RAM block the tier assigns, then copied. A failed or
 abandoned read also frees its RAM block (mapped to no expert); a hung read's block gets fresh memory.
+With ``ram_preload`` the provider fills the tier before it returns (``preload_ram_tier``), checking each
+block as a demand read is checked; a failed preload read fails the start-up.
 
 With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquire) with a guess at each of
 the next ``prefetch_depth`` layers' experts; their reads start in buffers of their own
@@ -33,6 +35,7 @@ its buffer with the RAM block (no copy): lookahead changes where bytes are read,
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import numpy as np
@@ -42,7 +45,7 @@ from ..errors import PackIOError
 from ..cache_policy import LfuLruPolicy, SlotAssignment
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
-from .host_tier import AUTO, HostTier, TierPlan, spare_ram_bytes, tier_blocks
+from .host_tier import AUTO, HostTier, TierPlan, preload_keys, spare_ram_bytes, tier_blocks
 from .prefetch import PrefetchBook, PrefetchEntry
 from .native_reads import NativeReads
 from .reads import PackSource, ThreadReads, open_source
@@ -93,7 +96,8 @@ class StreamingProvider:
             self.layout = SlotLayout.from_tensors(self.tensors, self.n_slots)
             self.policy = LfuLruPolicy(self.n_slots)
             self.flusher = StatsFlusher(self.counters, settings.stats_path, settings.stats_flush_interval)
-            self._first_layer, self._stride = loaded_layers[0], pack_layout.expert_stride
+            self._layers, self._stride = loaded_layers, pack_layout.expert_stride
+            self._first_layer = loaded_layers[0]
             self._segments = {entry.layer: tuple((role.role, role.offset, role.nbytes) for role in entry.roles)
                               for entry in pack_layout.layers}
             spare = spare_ram_bytes() if settings.ram_cache_mib == AUTO else None
@@ -131,9 +135,66 @@ class StreamingProvider:
                 self._lookahead_callback = ffi.callback(
                     "void(void *, int32_t, const int32_t *, int32_t, int32_t)", self._on_lookahead)
                 native.set_prefetch(ctx_ptr, self._lookahead_callback, settings.prefetch_depth)
+            if settings.ram_preload:
+                self.preload_ram_tier()
         except BaseException:
             self.close()
             raise
+
+    def preload_ram_tier(self, progress: bool | None = None) -> int:
+        """Fill the RAM tier's free blocks from the SSD (``host_tier.preload_keys``), ``stage_slots`` reads at
+        a time; return the blocks filled. Each block is checked as a demand read is (sha256 when verifying).
+        On a failure the blocks not read and checked are freed (mapped to no expert) and the error, naming
+        the file, layer and expert, is raised. ``progress``: a progress bar (None: on a terminal)."""
+        if self.tier is None:
+            log.info("ram_preload: no RAM tier (too little spare RAM for one), nothing to preload")
+            return 0
+        from tqdm import tqdm
+
+        keys = [key for key in preload_keys(self._layers, self._reader.layout.num_experts, self.tier.n_blocks)
+                if self.tier.block_of(key) is None]
+        started, batch_size = time.perf_counter(), min(self.tier.n_blocks, 8 * self.settings.stage_slots)
+        with tqdm(total=len(keys), unit="expert", desc="RAM tier preload", disable=None if progress is None else not progress,
+                  leave=False) as bar:
+            for first in range(0, len(keys), batch_size):
+                self._preload_batch(keys[first:first + batch_size])
+                bar.update(min(batch_size, len(keys) - first))
+        log.info("RAM tier preloaded: %d experts (%.0f MiB) in %.1f s", len(keys), len(keys) * self._stride / MIB,
+                 time.perf_counter() - started)
+        return len(keys)
+
+    def _preload_batch(self, keys: list) -> None:
+        plan = self.tier.plan(keys)
+        in_flight, filled, error = {}, set(), None
+        try:
+            for key, block in plan.misses:
+                in_flight[block] = (key, self._start_read(key, block))
+            while in_flight:
+                pending = [f for _, pieces in in_flight.values() for f in pieces if not f.done()]
+                if not self._reads.wait_first(pending, self.settings.read_timeout_s):
+                    error = error or self._abandon_hung_reads(in_flight)
+                    in_flight.clear()
+                    break
+                for block, (key, pieces) in list(in_flight.items()):
+                    if not all(piece.done() for piece in pieces):
+                        continue
+                    del in_flight[block]
+                    try:
+                        for piece in pieces:
+                            piece.result()
+                        self._source.check(*key, self._copier.buffers[block][:self._stride])
+                        filled.add(key)
+                        self.counters.add(ram_preloaded=1, ram_preload_bytes=self._source.read_nbytes(*key))
+                    except Exception as exc:  # noqa: BLE001 - raised below, once the batch is settled
+                        self.counters.record_io_error()
+                        error = error or exc
+        finally:
+            self._reads.wait_all([f for _, pieces in in_flight.values() for f in pieces])  # only after an interrupt
+            for key, _ in plan.misses:
+                if key not in filled:
+                    self.tier.abandon(key)
+        if error is not None:
+            raise error
 
     # called from llama.cpp's compute thread, once per MoE layer per ubatch
     def _provide(self, _user, layer, ids_ptr, n_used, n_tokens, slots_ptr) -> int:
@@ -248,7 +309,8 @@ class StreamingProvider:
                 with self.counters.timing("read_wait_s"):
                     finished = self._reads.wait_first(pending, self.settings.read_timeout_s)
                 if not finished:
-                    error = error or self._abandon_hung_reads(in_flight)
+                    error = error or self._abandon_hung_reads(
+                        {block: (load.key, pieces) for block, (load, pieces) in in_flight.items()})
                     in_flight.clear()
                     continue
                 for block, (load, pieces) in list(in_flight.items()):
@@ -315,8 +377,9 @@ class StreamingProvider:
                 {ahead[key]: block for key, block in plan.misses if key in ahead})
 
     def _abandon_hung_reads(self, in_flight: dict) -> PackIOError:
-        """Leave the reads in flight behind (each with fresh memory in its buffer's place) after a timeout."""
-        keys = [load.key for load, _ in in_flight.values()]
+        """Leave the reads in flight ({buffer: (key, pieces)}) behind, each with fresh memory in its buffer's
+        place, after a timeout."""
+        keys = [key for key, _ in in_flight.values()]
         for buffer, (_, pieces) in in_flight.items():
             for piece in pieces:
                 piece.cancel()  # a piece still queued never starts
