@@ -107,7 +107,7 @@ def test_json_has_every_counter_and_the_derived_numbers():
                          "h2d_bytes", "fallback_count", "io_errors", "read_wait_s", "copy_wait_s", "provide_s",
                          "ram_hits", "ram_misses", "ram_evictions", "lookahead_s", "lookahead_keys", "lookahead_hits",
                          "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes",
-                         "prefetch_cancelled",
+                         "prefetch_cancelled", "ram_preloaded", "ram_preload_bytes",
                          "hit_rate", "read_bytes_per_token", "h2d_bytes_per_token", "lookahead_accuracy"}
 
 
