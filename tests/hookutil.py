@@ -15,6 +15,15 @@ WORKER = Path(__file__).resolve().parent / "logits_worker.py"
 CACHE = Path(os.environ.get("LLAMAPACK_CACHE", Path.home() / ".cache" / "llamapack"))
 
 
+def flip_byte(path, offset: int) -> None:
+    """Corrupt one byte of a file in place (every bit flipped)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def vanilla_lib_dir() -> Path:
     """The unpatched libllama built by ``scripts/build_llama.py --vanilla-dir`` (required, never skipped)."""
     path = Path(os.environ.get("LLAMAPACK_VANILLA_LIB", CACHE / "vanilla"))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_provider_streaming import (N_DECODE, N_PROMPT, PRESETS, expected_read_bytes, fake_cupy,  # noqa: F401
                                      models, run_self, source_spec, spec_for, vanilla)
-from hookutil import smallest_pool as small_pool
+from hookutil import flip_byte, smallest_pool as small_pool
 
 from llamapack.cache_policy import LfuLruPolicy
 from llamapack.errors import CapacityError
@@ -362,11 +362,7 @@ def test_a_preload_read_failing_its_sha256_refuses_to_start(models, tmp_path):
     layer, expert = 1, 2
     with PackReader(pack) as reader:
         offset = reader.layout.block_offset(layer, expert) + 4097
-    with open(pack, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(pack, offset)
     spec = spec_for(gguf, 7, tmp_path / "x.npy", n_slots=16, provider="streaming", n_decode=None, pack=True,
                     serve_from=str(pack), streaming=dict(verify_pack_sha256=True, ram_cache_mib=1e6, ram_preload=True))
     result = run_self(spec, tmp_path)

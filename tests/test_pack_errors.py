@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from ggufgen import MIXED, write_moe_gguf
+from hookutil import flip_byte
 from gguf import GGMLQuantizationType as T
 
 from llamapack.cli import main
@@ -35,14 +36,6 @@ def edit_manifest(path, change):
     change(obj)
     with open(path, "w") as f:
         json.dump(obj, f)
-
-
-def flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 # --- damaged pack or manifest: (how to break it, expected error, message) ------------------------

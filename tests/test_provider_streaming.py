@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hookutil import flip_byte
 
 from llamapack.cache_policy import LfuLruPolicy
 from llamapack.errors import CapacityError
@@ -388,11 +389,7 @@ def test_sha256_mismatch_names_layer_and_expert(models, traced_runs, tmp_path):
     layer, experts = traced_runs["pack"][0]["trace"][0]  # the first expert the prompt loads
     with PackReader(pack) as reader:
         offset = reader.layout.block_offset(layer, experts[0]) + 123
-    with open(pack, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(pack, offset)
     spec = spec_for(gguf, 7, tmp_path / "x.npy", n_slots=16, provider="streaming", n_decode=None, eval_first=True,
                     streaming=dict(verify_pack_sha256=True), pack=True, serve_from=str(pack))
     result = run_self(spec, tmp_path)

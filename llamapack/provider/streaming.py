@@ -175,13 +175,9 @@ class StreamingProvider:
                     error = error or self._abandon_hung_reads(in_flight)
                     in_flight.clear()
                     break
-                for block, (key, pieces) in list(in_flight.items()):
-                    if not all(piece.done() for piece in pieces):
-                        continue
-                    del in_flight[block]
+                for block, (key, pieces) in take_finished(in_flight):
                     try:
-                        for piece in pieces:
-                            piece.result()
+                        raise_read_errors(pieces)
                         self._source.check(*key, self._copier.buffers[block][:self._stride])
                         filled.add(key)
                         self.counters.add(ram_preloaded=1, ram_preload_bytes=self._source.read_nbytes(*key))
@@ -313,13 +309,9 @@ class StreamingProvider:
                         {block: (load.key, pieces) for block, (load, pieces) in in_flight.items()})
                     in_flight.clear()
                     continue
-                for block, (load, pieces) in list(in_flight.items()):
-                    if not all(piece.done() for piece in pieces):
-                        continue
-                    del in_flight[block]
+                for block, (load, pieces) in take_finished(in_flight):
                     try:
-                        for piece in pieces:
-                            piece.result()
+                        raise_read_errors(pieces)
                         if error is None:
                             self._check_read(load.key, block)
                             filled.add(load.key)
@@ -447,3 +439,18 @@ class StreamingProvider:
         self._reads = self._copier = None
         if self.flusher is not None:
             self._write_stats(now=True)
+
+
+def take_finished(in_flight: dict) -> list:
+    """Remove from ``in_flight`` ({buffer: (what, pieces)}) the reads whose every piece is done; return them as
+    (buffer, (what, pieces)) pairs."""
+    finished = [(buffer, entry) for buffer, entry in in_flight.items() if all(piece.done() for piece in entry[1])]
+    for buffer, _ in finished:
+        del in_flight[buffer]
+    return finished
+
+
+def raise_read_errors(pieces: list) -> None:
+    """Raise the first failure among the finished pieces of one block's read."""
+    for piece in pieces:
+        piece.result()
