@@ -9,7 +9,7 @@ setup(
     version="0.1.0",
     description="Serve Mixture-of-Experts LLMs with routed experts streamed from SSD through a patched llama.cpp",
     packages=find_packages(include=["llamapack", "llamapack.*"]),
-    package_data={"llamapack.server": ["static/*"]},
+    package_data={"llamapack.server": ["static/*"], "llamapack.routing": ["data/*"]},
     python_requires=">=3.10",
     setup_requires=["cffi>=1.15"],
     cffi_modules=["native/build_ffi.py:ffibuilder"],
