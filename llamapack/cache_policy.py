@@ -286,6 +286,9 @@ class LfuLruPolicy(_RankedPolicy):
         return (math.floor(self.resolution * math.log2(count)) + self.resolution * epoch, tick)
 
 
+DEFAULT_POLICY = LfuLruPolicy  # what the streaming provider's slot pool and RAM tier use
+
+
 def next_use_table(steps: Sequence[Sequence[Key]]) -> list[dict[Key, int]]:
     """For step i, each of its keys -> the index of the next step using it (``len(steps)`` if none)."""
     never = len(steps)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cache_policy import Key, LfuLruPolicy
+from ..cache_policy import DEFAULT_POLICY, Key
 from ..errors import CapacityError
 from .settings import MIB, StreamingSettings
 
@@ -39,11 +39,11 @@ class TierPlan:
 
 
 class HostTier:
-    """``n_blocks`` RAM blocks of whole experts, managed by an LfuLruPolicy (a block id is a policy slot)."""
+    """``n_blocks`` RAM blocks of whole experts, managed by the default cache policy (a block id is a policy slot)."""
 
     def __init__(self, n_blocks: int):
         self.n_blocks = n_blocks
-        self.policy = LfuLruPolicy(n_blocks)
+        self.policy = DEFAULT_POLICY(n_blocks)
 
     def plan(self, keys: Sequence[Key]) -> TierPlan:
         """Where each of ``keys`` (distinct slot-pool misses of one step) comes from; pins them for the step."""

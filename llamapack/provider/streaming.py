@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import native
 from ..errors import PackIOError
-from ..cache_policy import LfuLruPolicy, SlotAssignment
+from ..cache_policy import DEFAULT_POLICY, SlotAssignment
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
 from .host_tier import AUTO, HostTier, TierPlan, preload_keys, spare_ram_bytes, tier_blocks
@@ -94,7 +94,7 @@ class StreamingProvider:
                 settings, SlotLayout.from_tensors(self.tensors, 1).slot_bytes, pack_layout.num_experts,
                 len(loaded_layers), n_expert_used, n_ubatch, free_vram(device) if device >= 0 else None)
             self.layout = SlotLayout.from_tensors(self.tensors, self.n_slots)
-            self.policy = LfuLruPolicy(self.n_slots)
+            self.policy = DEFAULT_POLICY(self.n_slots)
             self.flusher = StatsFlusher(self.counters, settings.stats_path, settings.stats_flush_interval)
             self._layers, self._stride = loaded_layers, pack_layout.expert_stride
             self._first_layer = loaded_layers[0]
