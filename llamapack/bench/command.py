@@ -69,10 +69,14 @@ def has_gpu() -> bool:
 @click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--vanilla-lib", type=click.Path(file_okay=False), help="Folder of an unpatched libllama for vanilla runs.")
 @click.option("--patched-lib", type=click.Path(file_okay=False), help="Folder of the patched libllama for pack runs.")
+@click.option("--routing", type=click.Path(exists=True, dir_okay=False),
+              help="Replay this routing trace (.npz, `llamapack trace`) in the llamapack runs instead of the model's "
+                   "router (a model of the trace's shape; no bit-exact column; vanilla runs keep their own routing).")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, rounds, shuffle_seed, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
-                  prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, list_only) -> None:
+                  prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, routing,
+                  list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
                             gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch,
@@ -91,6 +95,6 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, roun
                      prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
                      temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
                      vanilla_lib=vanilla_lib, patched_lib=patched_lib, rounds=rounds, shuffle_seed=shuffle_seed,
-                     command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
+                     routing=routing, command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
     run_bench(plan, echo=lambda line: click.echo(line, err=True))
     click.echo(f"wrote {out_dir / 'bench.md'}, bench.json and bench.png")

@@ -24,7 +24,9 @@ class BenchConfig:
     expert cache's share of all routed experts (pack modes). ``memory_limit_mib``: a cgroup ``memory.max``
     the run is held to (None: no limit). ``ram_fraction``: a host-RAM tier holding that share of the experts;
     ``ram_auto``: one the provider sizes from the spare RAM (``ram_cache_mib="auto"``); ``ram_preload``: that
-    tier filled from the SSD at load (its time is in the run's load time). ``prefetch``: router
+    tier filled from the SSD at load (its time is in the run's load time). ``own_routing``: a llamapack run that
+    keeps the model's router when the bench replays a routing trace (to compare with runs that cannot
+    replay, such as vanilla llama.cpp's). ``prefetch``: router
     lookahead (pack modes). ``native_reads``: pack reads on the native read pool (True) or Python threads
     (False); None: the provider's default. ``reference``: the run other runs' logits are compared with."""
 
@@ -46,6 +48,7 @@ class BenchConfig:
     n_threads: int = 4
     n_gpu_layers: int = 99
     reference: bool = False
+    own_routing: bool = False
 
     def __post_init__(self):
         if self.source not in (VANILLA, PACK, GGUF_DIRECT):
@@ -59,6 +62,8 @@ class BenchConfig:
                              "instead of ram_fraction")
         if self.ram_preload and self.ram_fraction is None and not self.ram_auto:
             raise ValueError(f"{self.name}: ram_preload fills a RAM tier: it needs ram_fraction or ram_auto")
+        if self.own_routing and self.source == VANILLA:
+            raise ValueError(f"{self.name}: own_routing is a llamapack setting (vanilla runs always route themselves)")
         if self.cpu_moe and self.source != VANILLA:
             raise ValueError(f"{self.name}: cpu_moe is a vanilla llama.cpp setting")
         if not 1 <= self.prefetch_depth <= 8 or (self.read_splits is not None and self.read_splits < 1):
@@ -150,9 +155,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
-                "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, then @NG or @NM")
+                "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, "
+                "then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads)(?=\+|$)")
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting)(?=\+|$)")
 
 
 def parse_config(name: str, n_cores: int) -> BenchConfig:
@@ -185,6 +191,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["ram_auto"] = True
         elif option == "preload":
             fields["ram_preload"] = True
+        elif option == "ownrouting":
+            fields["own_routing"] = True
         elif option == "ram" or match["ram"]:
             fields["ram_fraction"] = float(match["ram"]) / 100 if match["ram"] else 1.0
         elif option.startswith("prefetch"):

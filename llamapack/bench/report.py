@@ -38,6 +38,7 @@ class RunSummary:
     round: int = 1                           # which round of the bench (configs.schedule)
     n_rounds: int = 1                        # a combined row (combine): how many runs it is the median of
     decode_by_round: tuple = ()              # a combined row: each run's decode tok/s, in the order run
+    routing: str = "own"                     # "replayed": experts from a routing trace (bench/replay.py)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -89,7 +90,8 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
                          wasted_bytes_per_token=counters["prefetch_wasted_bytes"] / decoded,
                          reads=counters["prefetch_reads"], used=counters["prefetch_used"],
                          wasted=counters["prefetch_wasted"], cancelled=counters.get("prefetch_cancelled", 0))
-    exact = "reference" if run["config"].get("reference") else (
+    routing = run.get("routing", "own")
+    exact = "reference" if run["config"].get("reference") else "n/a (replayed routing)" if routing == "replayed" else (
         compare_digests(run, reference) if reference is not None and "error" not in reference else "n/a")
     return RunSummary(
         name, ok=True,
@@ -101,7 +103,7 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         io_bound_fraction=decode_tok_s / io_bound if io_bound and decode_tok_s else None,
         breakdown=breakdown, bit_exact=exact, load_s=run.get("load_s"),
         peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"), lookahead=lookahead,
-        round=run.get("round", 1))
+        round=run.get("round", 1), routing=routing)
 
 
 def probe_bytes_per_s(probe: dict) -> float:
@@ -152,7 +154,8 @@ def combine(rows: list[RunSummary]) -> list[RunSummary]:
             hit_rate=_median(r.hit_rate for r in ok), read_bytes_per_token=_median(r.read_bytes_per_token for r in ok),
             io_bound_tok_s=io_bound, io_bound_fraction=decode / io_bound if decode and io_bound else None,
             breakdown={k: _median((r.breakdown or {}).get(k) for r in ok) for k in middle.breakdown} if middle.breakdown else None,
-            bit_exact=(not_exact[0] if not_exact else middle.bit_exact if middle.bit_exact == "reference"
+            bit_exact=(middle.bit_exact if middle.routing == "replayed" else not_exact[0] if not_exact
+                       else middle.bit_exact if middle.bit_exact == "reference"
                        else f"yes ({steps} steps, {len(ok)} runs)") + (f"; {failed} run(s) failed" if failed else ""),
             load_s=_median(r.load_s for r in ok), peak_mib=max((r.peak_mib or 0) for r in ok) or None))
     return combined
@@ -185,6 +188,22 @@ def _workload_kind(workload: dict) -> str:
     return "greedy" if temperature == 0 else f"sampled at temperature {temperature:g} (seeded)"
 
 
+def routing_label(routing: str) -> str:
+    return "**replayed**" if routing == "replayed" else "own (synthetic)"
+
+
+def routing_line(workload: dict) -> str:
+    """What routing the runs saw: the synthetic model's own router, or a replayed trace (llamapack runs)."""
+    trace = workload.get("routing")
+    if not trace:
+        return "Routing: every run uses the model's own router (synthetic routing: a random-weights model)"
+    return (f"Routing: runs marked *replayed* serve the experts of `{Path(trace['path']).name}` "
+            f"({trace.get('source') or 'no source recorded'}; {trace['n_requests']} requests, "
+            f"{trace['n_decode_tokens']} decode tokens, request r replays trace request r mod {trace['n_requests']}, "
+            f"cycled) in place of the router's choice; the others (vanilla llama.cpp) use the model's own "
+            f"router (synthetic routing)")
+
+
 def _f(value, spec: str = ".2f", scale: float = 1.0) -> str:
     return "–" if value is None else format(value * scale, spec)
 
@@ -213,16 +232,17 @@ def markdown(results: dict) -> str:
              + (f"; the reference once, then every other run in each of {n_rounds} rounds"
                 + (f", each round shuffled (seed {results['workload']['shuffle_seed']})"
                    if results["workload"].get("shuffle_seed") is not None else "")
-                + "; each line is the median of its runs (the rounds table below)" if n_rounds > 1 else ""), "",
-             "| run | " + " | ".join(f"prefill {n} tok/s" for n in lengths) + " | TTFT " + f"{lengths[-1]} s"
+                + "; each line is the median of its runs (the rounds table below)" if n_rounds > 1 else ""),
+             routing_line(results["workload"]), "",
+             "| run | routing | " + " | ".join(f"prefill {n} tok/s" for n in lengths) + " | TTFT " + f"{lengths[-1]} s"
              + " | decode tok/s | tokens | hit rate | SSD MiB/token | I/O bound tok/s | of bound | bit-exact vs reference | peak MiB |",
-             "|---|" + "---|" * (len(lengths) + 9)]
+             "|---|---|" + "---|" * (len(lengths) + 9)]
     for row in rows:
         if not row.ok:
             lines.append(f"| {row.name} | failed: {' '.join(row.error.split())[-200:]} |")
             continue
         lines.append(
-            f"| {row.name} | " + " | ".join(_f(row.prefill_tok_s.get(n), ".1f") for n in lengths)
+            f"| {row.name} | {routing_label(row.routing)} | " + " | ".join(_f(row.prefill_tok_s.get(n), ".1f") for n in lengths)
             + f" | {_f(row.ttft_s.get(lengths[-1]))} | {_f(row.decode_tok_s)} | {row.n_decoded} | "
             f"{_f(row.hit_rate, '.1%')} | {_f(row.read_bytes_per_token, '.1f', 1 / MIB)} | {_f(row.io_bound_tok_s)} | "
             f"{_f(row.io_bound_fraction, '.0%')} | {row.bit_exact} | {_f(row.peak_mib, '.0f')} |")

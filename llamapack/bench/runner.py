@@ -16,9 +16,11 @@ from typing import Callable
 
 from ..errors import LlamapackError
 from ..pack import default_pack_path, open_gguf
+from ..pack.gguf_file import read_gguf_header
 from .cgroup import MemoryCage, drop_page_cache
 from .configs import BenchConfig, schedule
 from .diskbw import random_read_bandwidth
+from .replay import ReplayError, check_trace_fits
 from .report import write_report
 from .workload import DEFAULT_PROMPT_LENGTHS
 
@@ -45,6 +47,7 @@ class BenchPlan:
     shuffle_seed: int | None = None       # None: each round in the given order; else a seeded shuffle per round
     command: str = ""
     extra_facts: dict = field(default_factory=dict)
+    routing: str | None = None            # a routing trace (.npz) the llamapack runs replay (bench/replay.py)
 
 
 def machine_facts() -> dict:
@@ -70,6 +73,7 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
     pack_path = plan.pack or default_pack_path(model)
     if needs_pack and not os.path.exists(pack_path):
         raise LlamapackError(f"no expert pack at {pack_path}: build it first with `llamapack pack {plan.model}`")
+    routing = describe_routing(plan, model) if plan.routing else None
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     results = dict(command=plan.command, machine={**machine_facts(), **plan.extra_facts},
                    model=dict(path=plan.model, size_bytes=sum(os.path.getsize(p) for p in model.paths),
@@ -78,7 +82,7 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
                    workload=dict(prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode,
                                  decode_cap_s=plan.decode_cap_s, temperature=plan.temperature, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch,
                                  stage_slots=plan.stage_slots, read_splits=plan.read_splits,
-                                 rounds=plan.rounds, shuffle_seed=plan.shuffle_seed),
+                                 rounds=plan.rounds, shuffle_seed=plan.shuffle_seed, routing=routing),
                    runs=[])
     probe_path, first, n_blocks = ((pack_path, layout.data_start, layout.num_blocks) if needs_pack
                                    else (model.paths[0], 0, os.path.getsize(model.paths[0]) // layout.expert_stride))
@@ -105,6 +109,21 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
     return results
 
 
+def describe_routing(plan: BenchPlan, model) -> dict:
+    """The trace the llamapack runs replay, checked against the model's shape before any run starts."""
+    from ..routing.trace import load_trace
+
+    trace = load_trace(plan.routing)
+    arch = model.arch
+    top_k = int(read_gguf_header(model.paths[0]).kv.get(f"{arch}.expert_used_count", ("", 0))[1])
+    check_trace_fits(trace, len(model.layout.layers), model.layout.num_experts, top_k, plan.model)
+    if any(c.prefetch and not c.own_routing for c in plan.configs if c.source != "vanilla"):
+        raise ReplayError("--routing replaces the router's choice; router lookahead guesses from the router, so "
+                          "prefetch runs cannot replay a trace")
+    return dict(path=os.path.abspath(plan.routing), source=trace.source, n_tokens=trace.n_tokens,
+                n_requests=trace.n_requests, n_decode_tokens=int((~trace.prefill).sum()))
+
+
 def summary_line(run: dict) -> str:
     if "error" in run:
         return f"failed: {run['error'][-300:]}"
@@ -122,7 +141,7 @@ def run_config(plan: BenchPlan, config: BenchConfig, expert_bytes: int, n_expert
                 prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode, decode_cap_s=plan.decode_cap_s,
                 temperature=plan.temperature,
                 n_ctx=plan.n_ctx, n_batch=max(plan.n_ubatch, 512), n_ubatch=plan.n_ubatch,
-                stage_slots=plan.stage_slots, read_splits=plan.read_splits)
+                stage_slots=plan.stage_slots, read_splits=plan.read_splits, routing=plan.routing)
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
     lib = plan.vanilla_lib if config.source == "vanilla" else plan.patched_lib

@@ -81,10 +81,13 @@ def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator)
 
 
 def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float, temperature: float = 0.0,
-                seed: int = 0) -> dict:
-    """One request: prefill, then decode; timings, counter deltas per phase and logits digests."""
+                seed: int = 0, replay=None, request_index: int = 0) -> dict:
+    """One request: prefill, then decode; timings, counter deltas per phase and logits digests. ``replay``
+    (a replay.RoutingReplay, bench runs with ``--routing``): the request replays trace request ``request_index``."""
     rng = np.random.default_rng(seed)
     llm.reset()
+    if replay is not None:
+        replay.start_request(request_index, len(tokens))
     digests = []
     c0 = provider_counters(llm)
     start = time.perf_counter()
@@ -115,14 +118,21 @@ def run(spec: dict) -> dict:
     llm = load(spec, config)
     load_s = time.perf_counter() - started
     try:
+        replay = None
+        if spec.get("routing") and config.uses_provider and not config.own_routing:
+            from ..routing.trace import load_trace
+            from .replay import install
+
+            replay = install(llm._provider, load_trace(spec["routing"]))
         requests = []
         for index, n_prompt in enumerate(spec["prompt_lengths"]):
             requests.append(run_request(llm, prompt_tokens(llm, n_prompt), spec["n_decode"], spec["decode_cap_s"],
-                                        spec.get("temperature", 0.0), seed=index))
+                                        spec.get("temperature", 0.0), seed=index, replay=replay, request_index=index))
         pack = provider_counters(llm)
     finally:
         llm.close()
     return dict(config=config.as_dict(), load_s=load_s, requests=requests,
+                routing="replayed" if replay is not None else "own",
                 provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots",
                                           "prefetch_top", "prefetch_depth", "prefetch_in_flight", "read_engine")
                                           if k in pack},

@@ -107,9 +107,18 @@ QWEN3MOE_30B_A3B = ModelSpec(
     description="Qwen3-30B-A3B's shape (48 layers, 128 experts top-8), Q4_K experts, ~17 GB",
 )
 
+GRANITE_1B_A400M_SHAPE = ModelSpec(
+    name="granite-1b-a400m-shape", arch="qwen3moe", vocab="gpt-2",
+    n_layer=24, n_embd=1024, n_head=16, n_head_kv=8, head_dim=64,
+    n_expert=32, n_expert_used=8, n_ff_exp=512,
+    expert_quant=(F16,), rope_freq_base=1e4,
+    description="IBM granite-3.0-1b-a400m's MoE shape (24 layers, 32 experts top-8, F16 experts as the "
+                "real model's) as qwen3moe, ~2.5 GB: replays the shipped granite routing trace",
+)
+
 PRESETS: dict[str, ModelSpec] = {s.name: s for s in (
     QWEN3MOE_TINY, DEEPSEEK2_TINY, DEEPSEEK2_TINY_FUSED, GPT_OSS_TINY, MIXTRAL_TINY,
-    DEEPSEEK4_TINY, KIMI_K3_TINY, QWEN3MOE_RSS, QWEN3MOE_30B_A3B)}
+    DEEPSEEK4_TINY, KIMI_K3_TINY, QWEN3MOE_RSS, QWEN3MOE_30B_A3B, GRANITE_1B_A400M_SHAPE)}
 
 # deepseek4-tiny is not listed: like the converted model it has one expert type (MXFP4) in every layer
 TINY_PRESETS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tiny", "mixtral-tiny",
