@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,11 +104,19 @@ def check_trace(trace: RoutingTrace) -> None:
         raise TraceError(f"{where}: the tokens of a request must be consecutive (request ids reappear)")
 
 
+def open_npz(path: str) -> np.lib.npyio.NpzFile:
+    """``np.load`` of an ``.npz`` archive without pickles; TraceError when the file holds a single ``.npy`` array."""
+    data = np.load(path, allow_pickle=False)
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise TraceError(f"{path}: an .npy array, not an .npz archive")
+    return data
+
+
 def load_trace(path: str | os.PathLike) -> RoutingTrace:
     """Read and check a trace ``.npz`` (module docstring); TraceError names the file and the bad field."""
     path = os.fspath(path)
     try:
-        with np.load(path, allow_pickle=False) as data:
+        with open_npz(path) as data:
             missing = [name for name in ("experts", "request", "prefill", "n_experts") if name not in data.files]
             if missing:
                 raise TraceError(f"{path}: not a routing trace (missing {', '.join(missing)})")
@@ -115,7 +124,7 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
             source = str(data["source"]) if "source" in data.files else ""
     except TraceError:
         raise
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise TraceError(f"{path}: cannot read a routing trace ({exc})") from None
     n_experts = fields.pop("n_experts")
     if n_experts.shape != () or n_experts.dtype.kind not in "iu":
