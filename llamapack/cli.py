@@ -14,7 +14,8 @@ import click
 from llamapack.errors import IntegrityError, LlamapackError
 
 # commands defined in other modules, imported only when used (numpy must not load before llama_cpp)
-LAZY_COMMANDS = {"synth": "llamapack.synth.command:synth_command", "bench": "llamapack.bench.command:bench_command"}
+LAZY_COMMANDS = {"synth": "llamapack.synth.command:synth_command", "bench": "llamapack.bench.command:bench_command",
+                 "trace": "llamapack.routing.command:trace_group"}
 
 
 class LlamapackGroup(click.Group):
