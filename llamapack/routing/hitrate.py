@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from .. import cache_policy
 from .trace import RoutingTrace
 
-Steps = list[list[cache_policy.Key]]
+Steps = list[list[tuple[int, int]]]  # one list of (layer, expert) keys per cache step
 
 
 def replay(factory: Callable[[], Callable[[int], cache_policy.CachePolicy]]) -> Callable[[Steps, int], tuple[int, int]]:
