@@ -121,7 +121,7 @@ GRANITE_REUSE = ReuseProfile(
 class Calibration:
     """What the sampler draws with: ``base`` ``[n_layers, n_experts]`` expert weights, ``classes``
     ``[n_regimes, N_CLASSES]`` age-class probabilities per regime; ``error`` the last pilot's largest gaps
-    (``inclusion``: per expert, absolute; ``ages``: per regime and class)."""
+    (``ages``: absolute, per regime and class; ``inclusion_bins``: relative, per popularity bin)."""
 
     base: np.ndarray
     classes: np.ndarray
