@@ -13,6 +13,10 @@ Rules shared by every policy here:
   * a step needing more distinct keys than there are slots raises ``CapacityError`` and changes nothing;
   * free slots are used first, lowest slot id first; a victim is evicted only when no slot is free.
 
+The default, ``DEFAULT_POLICY``, is ``NextUsePolicy`` (``policy_next_use``): an online estimate of Belady's
+rule that knows the provider visits the layers in a cycle (docs/cache_policy.md has the measurements). The
+plan types and the protocol are in ``policy_plan``; the two older policies below stay for comparison.
+
 ``LruPolicy``: the victim is the least recently used resident key.
 
 ``LfuLruPolicy`` (frequency first, recency among similar frequency):
@@ -39,85 +43,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
+from typing import Callable, Sequence
 
 from .errors import CapacityError
-
-Key = tuple[int, int]  # (layer, expert)
-Trace = Sequence[Sequence[Key]]  # one list of keys per step (one layer's top-k for one token or ubatch)
-
-
-class SlotAssignment(NamedTuple):  # a tuple: built for every key of every step
-    """Where one key of a step lives: ``hit`` False means the provider must load ``key`` into ``slot``."""
-
-    key: Key
-    slot: int
-    hit: bool
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """A resident key that lost its slot (no write-back: the weights are read-only)."""
-
-    key: Key
-    slot: int
-
-
-@dataclass(frozen=True)
-class AcquirePlan:
-    """The answer to one ``acquire``: one assignment per distinct key, in first-seen order."""
-
-    assignments: tuple[SlotAssignment, ...]
-    evictions: tuple[Eviction, ...]
-
-    @property
-    def hits(self) -> int:
-        return sum(1 for a in self.assignments if a.hit)
-
-    @property
-    def misses(self) -> int:
-        return len(self.assignments) - self.hits
-
-    @property
-    def loads(self) -> tuple[SlotAssignment, ...]:
-        """The assignments the provider must load, in plan order."""
-        return tuple(a for a in self.assignments if not a.hit)
-
-    def slot_of(self, key: Key) -> int:
-        for assignment in self.assignments:
-            if assignment.key == key:
-                return assignment.slot
-        raise KeyError(key)
-
-
-class CachePolicy(Protocol):
-    """What a provider needs from a cache policy."""
-
-    n_slots: int
-
-    def acquire(self, keys: Sequence[Key]) -> AcquirePlan:
-        """Make every key resident (pinned for this step); raise CapacityError if they cannot all fit."""
-
-    def abandon(self, key: Key) -> bool:
-        """A load failed: free the key's slot and forget it; False if the key was not resident."""
-
-    def slot_of(self, key: Key) -> int | None:
-        """The key's slot, or None when it is not resident."""
-
-    def resident(self) -> dict[Key, int]:
-        """A copy of the key -> slot mapping."""
-
-
-def distinct_keys(keys: Iterable[Key]) -> list[Key]:
-    """The keys without repeats, in first-seen order."""
-    return list(dict.fromkeys(keys))
-
-
-def check_step_fits(n_keys: int, n_slots: int) -> None:
-    if n_keys > n_slots:
-        raise CapacityError(
-            f"one step needs {n_keys} distinct experts resident at once but the pool has {n_slots} slots")
+from .policy_next_use import NextUsePolicy  # noqa: F401 - the default, re-exported
+from .policy_plan import (AcquirePlan, CachePolicy, Eviction, Key, SlotAssignment, Trace,  # noqa: F401 - re-exported
+                          check_step_fits, distinct_keys)
 
 
 class _RankedPolicy:
@@ -286,7 +217,7 @@ class LfuLruPolicy(_RankedPolicy):
         return (math.floor(self.resolution * math.log2(count)) + self.resolution * epoch, tick)
 
 
-DEFAULT_POLICY = LfuLruPolicy  # what the streaming provider's slot pool and RAM tier use
+DEFAULT_POLICY = NextUsePolicy  # what the streaming provider's slot pool and RAM tier use (docs/cache_policy.md)
 
 
 def next_use_table(steps: Sequence[Sequence[Key]]) -> list[dict[Key, int]]:

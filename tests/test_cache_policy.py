@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from llamapack.cache_policy import (AcquirePlan, Eviction, LfuLruPolicy, LruPolicy, SlotAssignment, belady_hits,
                                     next_use_table, simulate)
 from llamapack.errors import CapacityError
+from llamapack.policy_next_use import NextUsePolicy
 
 A, B, C, D = (0, 0), (0, 1), (0, 2), (0, 3)
-POLICIES = {"lru": LruPolicy, "lfu_lru": LfuLruPolicy}
+POLICIES = {"lru": LruPolicy, "lfu_lru": LfuLruPolicy, "next_use": NextUsePolicy}
 
 
 def single_key_trace(numbers):

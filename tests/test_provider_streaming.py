@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from hookutil import flip_byte
 
-from llamapack.cache_policy import LfuLruPolicy
+from llamapack.cache_policy import DEFAULT_POLICY
 from llamapack.errors import CapacityError
 from llamapack.provider.settings import MIB, StreamingSettings, slot_budget
 
@@ -204,8 +204,8 @@ def expected_read_bytes(loaded, models, preset: str, source: str) -> int:
 
 
 def replay(trace, n_slots: int) -> tuple[int, list, int]:
-    """(hits, the keys loaded in order, evictions) of LfuLruPolicy replaying ``trace``."""
-    policy, hits, loaded, evictions = LfuLruPolicy(n_slots), 0, [], 0
+    """(hits, the keys loaded in order, evictions) of DEFAULT_POLICY (the provider's) replaying ``trace``."""
+    policy, hits, loaded, evictions = DEFAULT_POLICY(n_slots), 0, [], 0
     for layer, experts in trace:
         plan = policy.acquire([(layer, e) for e in experts])
         hits, evictions = hits + plan.hits, evictions + len(plan.evictions)

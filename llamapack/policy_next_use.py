@@ -1,0 +1,241 @@
+"""The slot pool's default cache policy: evict the key whose next use is estimated farthest away.
+
+Belady's rule (the offline optimum, ``cache_policy.belady_hits``) evicts the key used farthest in the future.
+The provider acquires one MoE layer per step, the layers in a fixed cycle, so a key's next use splits into two
+parts that can be estimated online:
+  * when its layer comes next: the layer's latest visit plus its *period*, the steps between its two latest
+    visits (in decode, the number of MoE layers). A global recency ranking gets this backwards: the least
+    recently used key belongs to the layer needed next. A layer seen for the first time gets the number of
+    layers seen so far as its period; no layer count or order needs to be given;
+  * whether that visit will want the key, ``p``. If each visit wants it with probability p, its next use is
+    1/p visits away on average:
+
+        next_use(key) = last_visit(layer) + period(layer) / p(key)
+
+``p`` combines how long ago the key was last used with how popular it is, both learned online:
+  * **age**: a, the visits of its layer since the key's last use (1 = used at the latest visit), capped at
+    ``horizon + 1`` ("older or never"). ``rate[a]``, learned over all layers, is the share of keys of age a
+    at a visit that the visit used (counts decay by 2 ** (-1 / rate_half_life) per acquire);
+  * **popularity**: f, the key's decayed count of uses (halved every ``half_life`` visits of its layer),
+    relative to the mean f of the keys of its layer in the same age class.
+  p = rate[a] * f / mean_f(layer, a), at most 1. Counts outlive eviction, so an expert that was pushed out
+  comes back with its popularity.
+
+Every acquire naming a layer is a *visit* of it: the layer's counts and ages are updated, then ``p`` and the
+next use of each of its resident keys (and the step's) are computed once, vectorized, and the keys are
+ordered by next use. Between two visits of a layer nothing changes its keys' estimates, so each layer keeps
+its keys in that order (evicted from the front) and the layers sit in a lazy max-heap of their front key's
+next use: a victim costs a few heap operations, not a scan of the pool. The victim is the unpinned resident
+key of the farthest next use (ties: the lower layer id, then the lower expert id).
+
+Rules shared with every policy (``cache_policy``): the step's keys are pinned, a step larger than the pool
+raises ``CapacityError`` and changes nothing, free slots go first, lowest id first.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .errors import CapacityError
+from .policy_plan import AcquirePlan, Eviction, Key, SlotAssignment, check_step_fits, distinct_keys
+
+DEFAULT_HALF_LIFE = 32  # visits of a layer (decode tokens): how long popularity is remembered
+DEFAULT_HORIZON = 32  # age classes 1..32 visits, then "older or never"
+DEFAULT_RATE_HALF_LIFE = 1024  # acquires: memory of the reuse rate per age class
+_RECOMPUTE = -math.inf  # a layer heap entry's -next_use that says "compute me when popped"
+
+
+class _Layer:
+    """One layer's state: per expert id its decayed count and age; its resident keys and their eviction order."""
+
+    __slots__ = ("last", "period", "version", "counts", "ages", "classes", "members", "order", "p", "front")
+
+    def __init__(self, period: int, horizon: int):
+        self.last, self.period, self.version = 0, period, 0
+        self.counts = np.zeros(0)
+        self.ages = np.zeros(0, dtype=np.intp)  # visits since last use as of the next visit, capped at horizon + 1
+        self.classes = np.zeros(horizon + 2)  # how many experts of each age there are (bincount of ages)
+        self.members: set[int] = set()  # resident expert ids
+        self.order: list[int] = []  # expert ids ranked at the latest visit, farthest next use (lowest p) first
+        self.p: list[float] = []
+        self.front = 0  # order[:front] are gone (evicted or abandoned)
+
+    def grow(self, n: int, horizon: int) -> None:
+        if n > len(self.counts):
+            extra = n - len(self.counts)
+            self.counts = np.concatenate([self.counts, np.zeros(extra)])
+            self.ages = np.concatenate([self.ages, np.full(extra, horizon + 1, dtype=np.intp)])
+            self.classes[horizon + 1] += extra
+
+
+class NextUsePolicy:
+    """Evict the key with the farthest estimated next use (the estimate is in the module docstring).
+
+    ``half_life``: visits of a layer after which a popularity count has halved; ``horizon``: age classes
+    (visits since last use) told apart; ``rate_half_life``: acquires after which the learned reuse rates
+    have halved. The defaults were chosen on the granite trace and routing-model traces
+    (docs/cache_policy.md).
+    """
+
+    def __init__(self, n_slots: int, half_life: float = DEFAULT_HALF_LIFE, horizon: int = DEFAULT_HORIZON,
+                 rate_half_life: float = DEFAULT_RATE_HALF_LIFE):
+        if n_slots < 1:
+            raise CapacityError(f"a slot pool needs at least one slot (asked for {n_slots})")
+        if not (half_life > 0 and rate_half_life > 0 and horizon >= 1):
+            raise ValueError(f"half_life and rate_half_life must be > 0 and horizon >= 1 (got {half_life}, "
+                             f"{rate_half_life}, {horizon})")
+        self.n_slots, self.half_life, self.horizon = n_slots, half_life, horizon
+        self._decay = 2.0 ** (-1.0 / half_life)
+        self._rate_decay = 2.0 ** (-1.0 / rate_half_life)
+        # keys used / keys seen per age class (index 1..horizon + 1; 0 unused): a weak prior of 1 in 4
+        self._used = np.full(horizon + 2, 0.25)
+        self._seen = np.ones(horizon + 2)
+        self._slot_of: dict[Key, int] = {}
+        self._free_slots: list[int] = list(range(n_slots))  # a min-heap
+        self._layers: dict[int, _Layer] = {}
+        self._by_next_use: list[tuple[float, int, int]] = []  # (-next use of the layer's front key, layer, version)
+        self._step = 0
+
+    # -- the provider's API
+    def acquire(self, keys: Sequence[Key]) -> AcquirePlan:
+        wanted = distinct_keys(keys)
+        check_step_fits(len(wanted), self.n_slots)
+        self._step += 1
+        by_layer: dict[int, list[int]] = {}
+        for layer, expert in wanted:
+            by_layer.setdefault(layer, []).append(expert)
+        visited = [(number, self._visit(number, experts)) for number, experts in by_layer.items()]
+        pinned = set(wanted)
+        assignments, evictions = [], []
+        try:
+            for key in wanted:
+                slot = self._slot_of.get(key)
+                hit = slot is not None
+                if not hit:
+                    if self._free_slots:
+                        slot = heapq.heappop(self._free_slots)
+                    else:
+                        victim = self._pop_victim(pinned)
+                        slot = self._slot_of.pop(victim)
+                        self._layers[victim[0]].members.discard(victim[1])
+                        evictions.append(Eviction(victim, slot))
+                    self._slot_of[key] = slot
+                    self._layers[key[0]].members.add(key[1])
+                assignments.append(SlotAssignment(key, slot, hit))
+        finally:
+            for number, layer in visited:  # its pins are released: its front may be a pinned key now
+                self._queue(number, layer)
+        return AcquirePlan(tuple(assignments), tuple(evictions))
+
+    def abandon(self, key: Key) -> bool:
+        slot = self._slot_of.pop(key, None)
+        if slot is None:
+            return False
+        self._layers[key[0]].members.discard(key[1])  # skipped when it reaches its layer's front
+        heapq.heappush(self._free_slots, slot)
+        return True
+
+    def slot_of(self, key: Key) -> int | None:
+        return self._slot_of.get(key)
+
+    def resident(self) -> dict[Key, int]:
+        return dict(self._slot_of)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._slot_of
+
+    # -- the estimate (tests, warm start)
+    def frequency(self, key: Key) -> float:
+        """The key's decayed count of uses now (f in the module docstring; 0 for a key never seen)."""
+        layer = self._layers.get(key[0])
+        return float(layer.counts[key[1]]) if layer is not None and key[1] < len(layer.counts) else 0.0
+
+    def reuse_rates(self) -> np.ndarray:
+        """rate[a] for a = 1..horizon + 1 (the share of keys of age a that a visit uses)."""
+        return (self._used / self._seen)[1:]
+
+    def next_use(self, key: Key) -> float:
+        """The key's next use (in acquires) as estimated at its layer's latest visit (inf: not ranked there)."""
+        layer = self._layers.get(key[0])
+        if layer is not None and key[1] in layer.order:
+            return layer.last + layer.period / layer.p[layer.order.index(key[1])]
+        return math.inf
+
+    # -- internals
+    def _visit(self, number: int, experts: list[int]) -> _Layer:
+        """A step names ``experts`` of layer ``number``: learn from it, then rank the layer's keys."""
+        layer = self._layers.get(number)
+        if layer is None:
+            layer = self._layers[number] = _Layer(len(self._layers) + 1, self.horizon)
+        else:
+            layer.period = self._step - layer.last
+        layer.last = self._step
+        cap = self.horizon + 1
+        layer.grow(max(experts) + 1, self.horizon)
+        ids = np.array(experts, dtype=np.intp)
+        counts, ages = layer.counts, layer.ages
+        # what this visit teaches: the share of each age class that it used
+        self._seen *= self._rate_decay
+        self._seen += layer.classes
+        self._used *= self._rate_decay
+        self._used += np.bincount(ages[ids], minlength=cap + 1)
+        counts *= self._decay
+        counts[ids] += 1.0
+        ages += 1
+        np.minimum(ages, cap, out=ages)
+        ages[ids] = 1
+        layer.classes = np.bincount(ages, minlength=cap + 1).astype(float)
+        # p = rate[a] * f / mean f of class a, for the resident keys and the step's
+        weight = self._used * layer.classes / np.maximum(self._seen * np.bincount(ages, counts, cap + 1), 1e-300)
+        ranked = layer.members.union(experts)
+        candidates = np.fromiter(ranked, dtype=np.intp, count=len(ranked))
+        p = weight[ages[candidates]] * counts[candidates]
+        order = np.lexsort((candidates, p))
+        layer.order = candidates[order].tolist()
+        layer.p = p[order].tolist()
+        layer.front = 0
+        self._queue(number, layer)
+        return layer
+
+    def _queue(self, number: int, layer: _Layer) -> None:
+        """Invalidate the layer's entry in the layer heap and queue a fresh one, computed when popped."""
+        layer.version += 1
+        heapq.heappush(self._by_next_use, (_RECOMPUTE, number, layer.version))
+        if len(self._by_next_use) > 4 * len(self._layers) + 64:  # drop the invalidated entries
+            self._by_next_use = [entry for entry in self._by_next_use if entry[2] == self._layers[entry[1]].version]
+            heapq.heapify(self._by_next_use)
+
+    def _front(self, number: int, layer: _Layer, pinned: set[Key]) -> int | None:
+        """Index in ``layer.order`` of its farthest unpinned resident key, or None."""
+        order, members = layer.order, layer.members
+        while (layer.front < len(order) and order[layer.front] not in members
+               and (number, order[layer.front]) not in pinned):
+            layer.front += 1  # evicted or abandoned since the visit (a pinned one may be loading now)
+        index = layer.front
+        while index < len(order) and (order[index] not in members or (number, order[index]) in pinned):
+            index += 1
+        return index if index < len(order) else None
+
+    def _pop_victim(self, pinned: set[Key]) -> Key:
+        """The unpinned resident key of farthest next use (one exists: the step fits and a slot is needed)."""
+        queue = self._by_next_use
+        while True:
+            negative, number, version = heapq.heappop(queue)
+            layer = self._layers[number]
+            if version != layer.version:
+                continue  # invalidated by a visit
+            index = self._front(number, layer, pinned)
+            if index is None:  # no key, or only pinned ones (a layer of this step: queued again at its end)
+                continue
+            upcoming = layer.last + layer.period / layer.p[index]
+            if -negative > upcoming:  # computed before an eviction (or "compute me"): re-rank
+                heapq.heappush(queue, (-upcoming, number, version))
+                continue
+            heapq.heappush(queue, (negative, number, version))  # an upper bound for the next front
+            return number, layer.order[index]
