@@ -18,15 +18,17 @@ parts that can be estimated online:
     at a visit that the visit used (counts decay by 2 ** (-1 / rate_half_life) per acquire);
   * **popularity**: f, the key's decayed count of uses (halved every ``half_life`` visits of its layer),
     relative to the mean f of the keys of its layer in the same age class.
-  p = rate[a] * f / mean_f(layer, a), at most 1. Counts outlive eviction, so an expert that was pushed out
-  comes back with its popularity.
+  p = rate[a] * f / mean_f(layer, a) (within an age class, p averages rate[a]). Counts outlive eviction, so
+  an expert that was pushed out comes back with its popularity.
 
-Every acquire naming a layer is a *visit* of it: the layer's counts and ages are updated, then ``p`` and the
-next use of each of its resident keys (and the step's) are computed once, vectorized, and the keys are
-ordered by next use. Between two visits of a layer nothing changes its keys' estimates, so each layer keeps
-its keys in that order (evicted from the front) and the layers sit in a lazy max-heap of their front key's
-next use: a victim costs a few heap operations, not a scan of the pool. The victim is the unpinned resident
-key of the farthest next use (ties: the lower layer id, then the lower expert id).
+Every acquire naming a layer is a *visit* of it: the layer's counts and ages and the rates are updated, and
+the per-class weights of ``p`` are fixed until its next visit. The first time a victim is looked for among its
+keys, ``p`` of each of its resident keys (and its latest step's) is computed, vectorized, and the keys are
+ordered by next use (a step that hits everywhere ranks nothing). Between two visits of a layer nothing changes
+its keys' estimates, so each layer keeps its keys in that order (evicted from the front) and the layers sit in
+a lazy max-heap of their front key's next use: a victim costs a few heap operations, not a scan of the pool.
+The victim is the unpinned resident key of the farthest next use (ties: the lower layer id, then the lower
+expert id).
 
 Rules shared with every policy (``cache_policy``): the step's keys are pinned, a step larger than the pool
 raises ``CapacityError`` and changes nothing, free slots go first, lowest id first.
@@ -51,7 +53,8 @@ _RECOMPUTE = -math.inf  # a layer heap entry's -next_use that says "compute me w
 class _Layer:
     """One layer's state: per expert id its decayed count and age; its resident keys and their eviction order."""
 
-    __slots__ = ("last", "period", "version", "counts", "ages", "classes", "members", "order", "p", "front")
+    __slots__ = ("last", "period", "version", "counts", "ages", "classes", "members", "weight", "step_keys", "order",
+                 "p", "front")
 
     def __init__(self, period: int, horizon: int):
         self.last, self.period, self.version = 0, period, 0
@@ -59,7 +62,9 @@ class _Layer:
         self.ages = np.zeros(0, dtype=np.intp)  # visits since last use as of the next visit, capped at horizon + 1
         self.classes = np.zeros(horizon + 2)  # how many experts of each age there are (bincount of ages)
         self.members: set[int] = set()  # resident expert ids
-        self.order: list[int] = []  # expert ids ranked at the latest visit, farthest next use (lowest p) first
+        self.weight = np.zeros(horizon + 2)  # p = weight[age] * count, as of the latest visit
+        self.step_keys: list[int] = []  # the experts of its latest visit
+        self.order: list[int] | None = []  # expert ids by p, lowest (farthest next use) first; None: not ranked yet
         self.p: list[float] = []
         self.front = 0  # order[:front] are gone (evicted or abandoned)
 
@@ -163,6 +168,8 @@ class NextUsePolicy:
     def next_use(self, key: Key) -> float:
         """The key's next use (in acquires) as estimated at its layer's latest visit (inf: not ranked there)."""
         layer = self._layers.get(key[0])
+        if layer is not None and layer.order is None:
+            self._rank(layer)
         if layer is not None and key[1] in layer.order:
             return layer.last + layer.period / layer.p[layer.order.index(key[1])]
         return math.inf
@@ -191,17 +198,22 @@ class NextUsePolicy:
         np.minimum(ages, cap, out=ages)
         ages[ids] = 1
         layer.classes = np.bincount(ages, minlength=cap + 1).astype(float)
-        # p = rate[a] * f / mean f of class a, for the resident keys and the step's
-        weight = self._used * layer.classes / np.maximum(self._seen * np.bincount(ages, counts, cap + 1), 1e-300)
-        ranked = layer.members.union(experts)
+        # p = weight[a] * f with weight[a] = rate[a] / mean f of class a; the keys are ranked when a victim is
+        # first looked for among them (often never before the next visit: an all-hit step costs no ranking)
+        layer.weight = self._used * layer.classes / np.maximum(self._seen * np.bincount(ages, counts, cap + 1), 1e-300)
+        layer.step_keys, layer.order = experts, None
+        self._queue(number, layer)
+        return layer
+
+    def _rank(self, layer: _Layer) -> None:
+        """Order the layer's resident keys and its latest step's by p as of its latest visit, lowest first."""
+        ranked = layer.members.union(layer.step_keys)
         candidates = np.fromiter(ranked, dtype=np.intp, count=len(ranked))
-        p = weight[ages[candidates]] * counts[candidates]
+        p = layer.weight[layer.ages[candidates]] * layer.counts[candidates]
         order = np.lexsort((candidates, p))
         layer.order = candidates[order].tolist()
         layer.p = p[order].tolist()
         layer.front = 0
-        self._queue(number, layer)
-        return layer
 
     def _queue(self, number: int, layer: _Layer) -> None:
         """Invalidate the layer's entry in the layer heap and queue a fresh one, computed when popped."""
@@ -213,6 +225,8 @@ class NextUsePolicy:
 
     def _front(self, number: int, layer: _Layer, pinned: set[Key]) -> int | None:
         """Index in ``layer.order`` of its farthest unpinned resident key, or None."""
+        if layer.order is None:
+            self._rank(layer)
         order, members = layer.order, layer.members
         while (layer.front < len(order) and order[layer.front] not in members
                and (number, order[layer.front]) not in pinned):

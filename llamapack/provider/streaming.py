@@ -1,8 +1,8 @@
-"""The streaming expert provider: LFU/LRU slot cache, parallel O_DIRECT reads, pinned staging, async copies.
+"""The streaming expert provider: slot cache, parallel O_DIRECT reads, pinned staging, async copies.
 
 Per MoE layer and ubatch llama.cpp calls ``acquire`` (from its compute thread) with the router's expert ids.
-The cache policy says which experts hit and which load into which slot. The misses are read in parallel by a
-read pool (pack mode: native threads outside the GIL, native_reads.NativeReads; else reads.ThreadReads), at
+The cache policy (``cache_policy.DEFAULT_POLICY``, docs/cache_policy.md) says which experts hit and which load
+into which slot. The misses are read in parallel by a read pool (pack mode: native threads outside the GIL, native_reads.NativeReads; else reads.ThreadReads), at
 most ``stage_slots`` at once, each into its own staging buffer (pinned when the pool is on a GPU), optionally
 in ``read_splits`` sub-reads; as each read completes its roles are copied into the
 slot (numpy on the host, ``cudaMemcpyAsync`` on the provider's stream for a GPU pool) and the buffer takes the
