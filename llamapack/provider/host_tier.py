@@ -1,8 +1,9 @@
 """Host-RAM tier: whole expert blocks kept in host memory (pinned for a GPU pool) between the SSD and the pool.
 
 Pure bookkeeping, no I/O. Its own instance of the default policy over (layer, expert) keys (measured best on
-the pool's misses too: docs/cache_policy.md) sees the slot-pool misses of each step: a key already in a RAM block is a *RAM hit* (the provider copies from that block, no SSD read);
-any other key is a *RAM miss*, given a block to read into (its previous key, if any, is evicted from RAM).
+the pool's misses too: docs/cache_policy.md) sees the slot-pool misses of each step: a key already in a RAM
+block is a *RAM hit* (the provider copies from that block, no SSD read); any other key is a *RAM miss*, given
+a block to read into (its previous key, if any, is evicted from RAM).
 The step's keys are pinned, so a block the step copies from is never refilled in the same step; the
 copier's per-block events keep a refill from overtaking an earlier copy out of the block. A read that fails
 (or is not known to have completed and passed its check) is ``abandon``-ed: its block is freed, mapped to
