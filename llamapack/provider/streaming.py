@@ -2,11 +2,11 @@
 
 Per MoE layer and ubatch llama.cpp calls ``acquire`` (from its compute thread) with the router's expert ids.
 The cache policy (``cache_policy.DEFAULT_POLICY``, docs/cache_policy.md) says which experts hit and which load
-into which slot. The misses are read in parallel by a read pool (pack mode: native threads outside the GIL, native_reads.NativeReads; else reads.ThreadReads), at
-most ``stage_slots`` at once, each into its own staging buffer (pinned when the pool is on a GPU), optionally
-in ``read_splits`` sub-reads; as each read completes its roles are copied into the
-slot (numpy on the host, ``cudaMemcpyAsync`` on the provider's stream for a GPU pool) and the buffer takes the
-next miss. Before returning, every copy of the step is complete.
+into which slot. The misses are read in parallel by a read pool (pack mode: native threads outside the GIL,
+native_reads.NativeReads; else reads.ThreadReads), at most ``stage_slots`` at once, each into its own staging
+buffer (pinned when the pool is on a GPU), optionally in ``read_splits`` sub-reads; as each read completes its
+roles are copied into the slot (numpy on the host, ``cudaMemcpyAsync`` on the provider's stream for a GPU pool)
+and the buffer takes the next miss. Before returning, every copy of the step is complete.
 
 A failed read (I/O error, short read, sha256 mismatch) stops new reads, waits for the reads in flight,
 abandons the failed expert and every miss of the step not copied yet (their slots go back to the free list,
