@@ -108,7 +108,7 @@ RAM_CACHE_MIB = RamCacheMib()
 
 
 def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool,
-                 ram_preload: bool = False) -> dict:
+                 ram_preload: bool = False, warm_start: bool | None = None) -> dict:
     """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve), and
     --ram-preload without --ram-cache-mib (no tier to fill)."""
     options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, ram_preload=ram_preload or None,
@@ -117,6 +117,8 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
         raise click.ClickException(f"--{next(iter(options)).replace('_', '-')} needs --pack or --gguf-direct")
     if ram_preload and ram_cache_mib is None:
         raise click.ClickException("--ram-preload fills the RAM tier: give --ram-cache-mib (MiB or auto)")
+    if warm_start is False and (pack is not None or gguf_direct):  # no pack: no expert cache to warm
+        options["warm_start"] = False
     return options
 
 
@@ -141,12 +143,15 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
 @click.option("--ram-preload", is_flag=True,
               help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
+@click.option("--no-warm-start", "warm_start", is_flag=True, flag_value=False, default=None,
+              help="Start with an empty expert cache, and save no expert counts at exit (default: fill the cache "
+                   "with the experts this pack used most last time, from ~/.cache/llamapack/warm).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
         cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None,
-        ram_preload: bool, prefetch: bool, chat: bool, stats_json: str | None) -> None:
+        ram_preload: bool, prefetch: bool, warm_start: bool | None, chat: bool, stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
@@ -155,7 +160,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start))
     if ubatch_size is not None:
         params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
     if seed is not None:
@@ -206,9 +211,12 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--ram-preload", is_flag=True,
               help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
+@click.option("--no-warm-start", "warm_start", is_flag=True, flag_value=False, default=None,
+              help="Start with an empty expert cache, and save no expert counts at exit (default: fill the cache "
+                   "with the experts this pack used most last time, from ~/.cache/llamapack/warm).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
-          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool) -> None:
+          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, warm_start: bool | None) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from werkzeug.serving import run_simple
 
@@ -218,7 +226,7 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
                     **params) as llm:
         app = create_app(llm, api_key=api_key, queue_size=queue_size)

@@ -23,6 +23,7 @@ from .errors import NativeError
 from .compat import model_params_override
 from .pack import GgufDirectReader, PackReader, default_pack_path, open_gguf
 from .provider.streaming import StreamingProvider, StreamingSettings
+from .provider.warm import default_warm_start
 
 DEFAULTS = StreamingSettings()
 
@@ -56,7 +57,8 @@ def resolve_settings(model_path: str, pack, gguf_direct: bool, cache_slots: int 
 
 class Llama(llama_cpp.Llama):
     """``llama_cpp.Llama`` plus: ``pack`` / ``gguf_direct`` (where experts come from), ``cache_slots`` /
-    ``cache_mib`` (older names of ``n_slots`` / ``cache_vram_mib``) and the StreamingSettings fields."""
+    ``cache_mib`` (older names of ``n_slots`` / ``cache_vram_mib``) and the StreamingSettings fields.
+    ``warm_start`` is on here unless ``LLAMAPACK_WARM_START=0`` (``warm_start=False``: start cold, save nothing)."""
 
     def __init__(self, model_path: str, *args, pack=None, gguf_direct: bool = False, cache_slots: int | None = None,
                  cache_mib: float | None = None, direct_io: bool = DEFAULTS.direct_io,
@@ -71,7 +73,8 @@ class Llama(llama_cpp.Llama):
                  prefetch: bool = DEFAULTS.prefetch,
                  prefetch_slots: int = DEFAULTS.prefetch_slots, prefetch_top: int | None = DEFAULTS.prefetch_top,
                  prefetch_depth: int = DEFAULTS.prefetch_depth, prefetch_in_flight: int | None = DEFAULTS.prefetch_in_flight,
-                 native_reads: bool | None = DEFAULTS.native_reads,
+                 native_reads: bool | None = DEFAULTS.native_reads, warm_start: bool | None = None,
+                 warm_start_dir: str | os.PathLike | None = DEFAULTS.warm_start_dir,
                  **kwargs):
         self._provider = None
         self.pack_settings = resolve_settings(
@@ -81,7 +84,9 @@ class Llama(llama_cpp.Llama):
             stats_path=None if stats_path is None else os.fspath(stats_path), stats_flush_interval=stats_flush_interval,
             read_timeout_s=read_timeout_s, ram_cache_mib=ram_cache_mib, ram_preload=ram_preload, prefetch=prefetch,
             prefetch_slots=prefetch_slots, prefetch_top=prefetch_top, prefetch_depth=prefetch_depth,
-            prefetch_in_flight=prefetch_in_flight, native_reads=native_reads)
+            prefetch_in_flight=prefetch_in_flight, native_reads=native_reads,
+            warm_start=default_warm_start() if warm_start is None else warm_start,
+            warm_start_dir=None if warm_start_dir is None else os.fspath(warm_start_dir))
         if self.pack_settings is None:
             super().__init__(model_path, *args, **kwargs)
             return

@@ -53,11 +53,12 @@ _RECOMPUTE = -math.inf  # a layer heap entry's -next_use that says "compute me w
 class _Layer:
     """One layer's state: per expert id its decayed count and age; its resident keys and their eviction order."""
 
-    __slots__ = ("last", "period", "version", "counts", "ages", "classes", "members", "weight", "step_keys", "order",
-                 "p", "front")
+    __slots__ = ("last", "period", "version", "visits", "counts", "ages", "classes", "members", "weight", "step_keys",
+                 "order", "p", "front")
 
     def __init__(self, period: int, horizon: int):
-        self.last, self.period, self.version = 0, period, 0
+        self.last, self.period, self.version = 0, period, 0  # last 0: never visited
+        self.visits = 0.0  # decayed like the counts: counts / visits is a key's share of the layer's visits
         self.counts = np.zeros(0)
         self.ages = np.zeros(0, dtype=np.intp)  # visits since last use as of the next visit, capped at horizon + 1
         self.classes = np.zeros(horizon + 2)  # how many experts of each age there are (bincount of ages)
@@ -171,8 +172,58 @@ class NextUsePolicy:
         if layer is not None and layer.order is None:
             self._rank(layer)
         if layer is not None and key[1] in layer.order:
-            return layer.last + layer.period / layer.p[layer.order.index(key[1])]
+            p = layer.p[layer.order.index(key[1])]
+            return layer.last + layer.period / p if p > 0 else math.inf
         return math.inf
+
+    # -- warm start (provider.warm)
+    def popularity(self) -> dict[int, list[float]]:
+        """Per layer, each expert's decayed share of the layer's visits (index = expert id), for the layers seen."""
+        return {number: (layer.counts / layer.visits).tolist() for number, layer in self._layers.items()
+                if layer.visits > 0}
+
+    def seed(self, popularity: dict[int, Sequence[float]]) -> None:
+        """Start from the shares of an earlier session (``popularity``'s format): each key's count is set to
+        its share of the visits a layer has in steady state (1 / (1 - decay)), as if it had been used at that
+        rate long ago (age: "older"). Only before the first acquire; layers already seen are left alone."""
+        steady = 1.0 / (1.0 - self._decay)
+        for number, shares in popularity.items():
+            if number in self._layers or not len(shares):
+                continue
+            layer = self._layers[number] = _Layer(len(popularity), self.horizon)
+            layer.grow(len(shares), self.horizon)
+            layer.counts[:] = np.asarray(shares, dtype=float) * steady
+            layer.visits = steady
+            layer.weight = self._weights(layer)
+
+    def preload(self, keys: Sequence[Key]) -> tuple[SlotAssignment, ...]:
+        """Give free slots (lowest first) to ``keys`` not resident, while slots are free: the provider loads
+        them before the first token (a failed load is ``abandon``-ed). Nothing is evicted, nothing counted as a
+        use; the keys are ranked by their layers' latest estimate (seeded or visited)."""
+        loads = []
+        for key in distinct_keys(keys):
+            if not self._free_slots:
+                break
+            if key in self._slot_of:
+                continue
+            layer = self._layers.get(key[0])
+            if layer is None:
+                layer = self._layers[key[0]] = _Layer(len(self._layers) + 1, self.horizon)
+                layer.weight = self._weights(layer)
+            layer.grow(key[1] + 1, self.horizon)
+            slot = heapq.heappop(self._free_slots)
+            self._slot_of[key] = slot
+            layer.members.add(key[1])
+            layer.order = None  # ranked again, with its new members, when a victim is looked for
+            loads.append(SlotAssignment(key, slot, False))
+        for number in dict.fromkeys(load.key[0] for load in loads):
+            self._queue(number, self._layers[number])
+        return tuple(loads)
+
+    def _weights(self, layer: _Layer) -> np.ndarray:
+        """weight[a] = rate[a] / mean count of the layer's keys of age a (p = weight[age] * count)."""
+        return self._used * layer.classes / np.maximum(
+            self._seen * np.bincount(layer.ages, layer.counts, self.horizon + 2), 1e-300)
 
     # -- internals
     def _visit(self, number: int, experts: list[int]) -> _Layer:
@@ -180,9 +231,10 @@ class NextUsePolicy:
         layer = self._layers.get(number)
         if layer is None:
             layer = self._layers[number] = _Layer(len(self._layers) + 1, self.horizon)
-        else:
+        elif layer.last:
             layer.period = self._step - layer.last
         layer.last = self._step
+        layer.visits = layer.visits * self._decay + 1.0
         cap = self.horizon + 1
         layer.grow(max(experts) + 1, self.horizon)
         ids = np.array(experts, dtype=np.intp)
@@ -200,7 +252,7 @@ class NextUsePolicy:
         layer.classes = np.bincount(ages, minlength=cap + 1).astype(float)
         # p = weight[a] * f with weight[a] = rate[a] / mean f of class a; the keys are ranked when a victim is
         # first looked for among them (often never before the next visit: an all-hit step costs no ranking)
-        layer.weight = self._used * layer.classes / np.maximum(self._seen * np.bincount(ages, counts, cap + 1), 1e-300)
+        layer.weight = self._weights(layer)
         layer.step_keys, layer.order = experts, None
         self._queue(number, layer)
         return layer
@@ -247,7 +299,8 @@ class NextUsePolicy:
             index = self._front(number, layer, pinned)
             if index is None:  # no key, or only pinned ones (a layer of this step: queued again at its end)
                 continue
-            upcoming = layer.last + layer.period / layer.p[index]
+            p = layer.p[index]
+            upcoming = layer.last + layer.period / p if p > 0 else math.inf  # p 0: preloaded, never counted
             if -negative > upcoming:  # computed before an eviction (or "compute me"): re-rank
                 heapq.heappush(queue, (-upcoming, number, version))
                 continue

@@ -1,9 +1,12 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # import llamapack without installing
+# no test warm-starts from another's expert counts (nor writes to ~/.cache): tests of the warm start opt in
+os.environ.setdefault("LLAMAPACK_WARM_START", "0")
 
 from ggufgen import write_moe_gguf  # noqa: E402
 

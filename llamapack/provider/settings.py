@@ -37,6 +37,11 @@ class StreamingSettings:
     Python's GIL; see native_reads) or, False, on Python threads; None: the native pool with ``prefetch`` or a
     RAM tier, Python threads otherwise (what measured faster on the H200: bench/results/gpu_prefetch_README.md,
     fourth round). GGUF-direct mode and an injected read function always read on Python threads.
+    ``warm_start``: at close, save each expert's decayed popularity for this pack; at start, seed the cache
+    policies with the last session's and fill the pool (and the RAM tier) with its hottest experts before the
+    first token (pack mode; see warm). ``warm_start_dir``: where those files live (None: the user cache,
+    ``~/.cache/llamapack/warm``). Off here (a provider made directly starts cold); ``llamapack.Llama`` and the
+    CLI turn it on unless asked not to.
     """
 
     cache_vram_mib: float | None = None
@@ -57,6 +62,8 @@ class StreamingSettings:
     prefetch_depth: int = 1
     prefetch_in_flight: int | None = None
     native_reads: bool | None = None
+    warm_start: bool = False
+    warm_start_dir: str | None = None
 
     def __post_init__(self):
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top",

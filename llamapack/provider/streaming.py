@@ -20,7 +20,9 @@ replace the staging buffers as read targets. A pool miss whose expert is in a RA
 (a RAM hit, no read); any other is read into the RAM block the tier assigns, then copied. A failed or
 abandoned read also frees its RAM block (mapped to no expert); a hung read's block gets fresh memory.
 With ``ram_preload`` the provider fills the tier before it returns (``preload_ram_tier``), checking each
-block as a demand read is checked; a failed preload read fails the start-up.
+block as a demand read is checked; a failed preload read fails the start-up. With ``warm_start`` (pack mode) it
+first seeds the policies with the last session's popularity and fills the tier, then the pool, with the
+hottest experts (``warm_start``; warm), and saves the popularity again at ``close``.
 
 With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquire) with a guess at each of
 the next ``prefetch_depth`` layers' experts; their reads start in buffers of their own
@@ -52,6 +54,7 @@ from .reads import PackSource, ThreadReads, open_source
 from .reference import check_reader_matches_model
 from .settings import MIB, StreamingSettings, slot_budget
 from .slots import SlotLayout
+from .warm import WarmFile, hottest, pack_identity
 
 __all__ = ["StreamingProvider", "StreamingSettings"]
 
@@ -83,6 +86,7 @@ class StreamingProvider:
         self._reader, self._reads, self._copier, self._ctx, self._closed = reader, None, None, None, False
         self.tier: HostTier | None = None
         self.native_reads, self._prefetch_threads = False, 0
+        self.warm_file: WarmFile | None = None
         try:
             self.tensors = native.expert_tensors(model_ptr)
             check_reader_matches_model(reader.layout, self.tensors)
@@ -135,6 +139,10 @@ class StreamingProvider:
                 self._lookahead_callback = ffi.callback(
                     "void(void *, int32_t, const int32_t *, int32_t, int32_t)", self._on_lookahead)
                 native.set_prefetch(ctx_ptr, self._lookahead_callback, settings.prefetch_depth)
+            identity = pack_identity(reader) if settings.warm_start else None
+            if identity is not None:
+                self.warm_file = WarmFile(settings.warm_start_dir, identity, loaded_layers, pack_layout.num_experts)
+                self.warm_start()
             if settings.ram_preload:
                 self.preload_ram_tier()
         except BaseException:
@@ -149,19 +157,50 @@ class StreamingProvider:
         if self.tier is None:
             log.info("ram_preload: no RAM tier (too little spare RAM for one), nothing to preload")
             return 0
+        keys = preload_keys(self._layers, self._reader.layout.num_experts, self.tier.n_blocks)
+        return self._fill_tier(keys, "RAM tier preload", progress)
+
+    def _fill_tier(self, keys: list, what: str, progress: bool | None) -> int:
+        """Read ``keys`` not in the tier yet into free RAM blocks (as many as are free), ``8 * stage_slots`` at a
+        time, with a progress bar; return how many were read."""
         from tqdm import tqdm
 
-        keys = [key for key in preload_keys(self._layers, self._reader.layout.num_experts, self.tier.n_blocks)
-                if self.tier.block_of(key) is None]
+        free_blocks = self.tier.n_blocks - len(self.tier.resident())
+        keys = [key for key in keys if self.tier.block_of(key) is None][:free_blocks]  # never evict to preload
         started, batch_size = time.perf_counter(), min(self.tier.n_blocks, 8 * self.settings.stage_slots)
-        with tqdm(total=len(keys), unit="expert", desc="RAM tier preload", disable=None if progress is None else not progress,
+        with tqdm(total=len(keys), unit="expert", desc=what, disable=None if progress is None else not progress,
                   leave=False) as bar:
             for first in range(0, len(keys), batch_size):
                 self._preload_batch(keys[first:first + batch_size])
                 bar.update(min(batch_size, len(keys) - first))
-        log.info("RAM tier preloaded: %d experts (%.0f MiB) in %.1f s", len(keys), len(keys) * self._stride / MIB,
+        log.info("%s: %d experts (%.0f MiB) in %.1f s", what, len(keys), len(keys) * self._stride / MIB,
                  time.perf_counter() - started)
         return len(keys)
+
+    def warm_start(self, progress: bool | None = None) -> int:
+        """Seed the pool's and the tier's policies with the popularity saved by the last session with this pack,
+        then fill the free RAM blocks and the free slots with the hottest experts (RAM first, so that the pool's
+        copies come from RAM); return the experts loaded into the pool. No file, or a bad one (warned about):
+        nothing happens. A failed read fails the start-up, as a preload read does."""
+        popularity = self.warm_file.load() if self.warm_file is not None else None
+        if popularity is None or not hasattr(self.policy, "seed"):
+            return 0
+        self.policy.seed(popularity)
+        if self.tier is not None and hasattr(self.tier.policy, "seed"):
+            self.tier.policy.seed(popularity)
+            self._fill_tier(hottest(popularity, self.tier.n_blocks), "warm start (RAM tier)", progress)
+        from tqdm import tqdm
+
+        loads = self.policy.preload(hottest(popularity, self.n_slots))
+        started, batch_size = time.perf_counter(), 8 * self.settings.stage_slots
+        with tqdm(total=len(loads), unit="expert", desc="warm start", disable=None if progress is None else not progress,
+                  leave=False) as bar:
+            for first in range(0, len(loads), batch_size):
+                self._load(loads[first:first + batch_size])
+                bar.update(min(batch_size, len(loads) - first))
+        log.info("warm start: %d hottest experts of the last session loaded into the pool in %.1f s", len(loads),
+                 time.perf_counter() - started)
+        return len(loads)
 
     def _preload_batch(self, keys: list) -> None:
         plan = self.tier.plan(keys)
@@ -430,6 +469,8 @@ class StreamingProvider:
         if self._closed:
             return
         self._closed = True
+        if self.warm_file is not None and self.flusher is not None:  # the pool's policy saw every step
+            self.warm_file.save(self.policy.popularity())
         if self._ctx is not None:
             native.detach(self._ctx)
             self._ctx = None
