@@ -47,14 +47,16 @@ def main() -> None:
               help="Free space to leave on the target filesystem.")
 @click.option("--full-hash", is_flag=True, help="Fingerprint the source GGUF with a full sha256 (slow) instead of sampling.")
 @click.option("--no-direct-io", is_flag=True, help="Write with buffered I/O (for filesystems without O_DIRECT).")
+@click.option("--force", is_flag=True, help="Replace an existing output file that is not a pack.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack(model: str, output: str | None, safety_margin_mib: int, full_hash: bool, no_direct_io: bool, quiet: bool) -> None:
+def pack(model: str, output: str | None, safety_margin_mib: int, full_hash: bool, no_direct_io: bool, force: bool,
+         quiet: bool) -> None:
     """Build the expert pack of MODEL.gguf."""
     from llamapack.pack import build_pack
     from llamapack.pack.identity import FULL, SAMPLED
 
     result = build_pack(model, output, safety_margin_mib=safety_margin_mib, progress=not quiet,
-                        direct_io=not no_direct_io, fingerprint_mode=FULL if full_hash else SAMPLED)
+                        direct_io=not no_direct_io, fingerprint_mode=FULL if full_hash else SAMPLED, force=force)
     layout = result.manifest.layout
     rate = layout.num_blocks * layout.expert_stride / max(result.seconds, 1e-9) / 1e9
     click.echo(f"wrote {result.pack_path} ({layout.pack_size / 1e9:.3f} GB, {len(layout.layers)} layers x "

@@ -197,17 +197,12 @@ def load_manifest(path: str) -> tuple[Manifest, bytes]:
 
 
 def write_manifest(path: str, manifest: Manifest) -> bytes:
-    """Write atomically (temp file + rename); returns the canonical sha256."""
+    """Write the manifest to ``path`` and fsync it (the builder writes a temporary name and renames it, see
+    publish); returns the canonical sha256."""
     obj = manifest_to_dict(manifest)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="ascii") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(path, "w", encoding="ascii") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
     return canonical_sha256(obj)
