@@ -7,11 +7,12 @@ in ``LlamapackGroup``, so commands added later get the same behaviour).
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 
 import click
 
-from llamapack.errors import IntegrityError, LlamapackError
+from llamapack.errors import InputError, IntegrityError, LlamapackError
 
 # commands defined in other modules, imported only when used (numpy must not load before llama_cpp)
 LAZY_COMMANDS = {"synth": "llamapack.synth.command:synth_command", "bench": "llamapack.bench.command:bench_command",
@@ -89,6 +90,16 @@ def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool)
                f"in {report.seconds:.1f} s")
 
 
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan and inf."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 class RamCacheMib(click.ParamType):
     """A size in MiB (> 0), or "auto": half the RAM still available (StreamingSettings.ram_cache_mib)."""
 
@@ -110,16 +121,28 @@ RAM_CACHE_MIB = RamCacheMib()
 
 
 def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool,
-                 ram_preload: bool = False) -> dict:
+                 ram_preload: bool = False, no_direct_io: bool = False) -> dict:
     """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve), and
     --ram-preload without --ram-cache-mib (no tier to fill)."""
+    flags = {"--ram-cache-mib": ram_cache_mib is not None, "--ram-preload": ram_preload, "--prefetch": prefetch,
+             "--no-direct-io": no_direct_io}
+    given = [flag for flag, on in flags.items() if on]
+    if given and pack is None and not gguf_direct:
+        raise click.ClickException(f"{given[0]} needs --pack or --gguf-direct")
     options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, ram_preload=ram_preload or None,
-                                     prefetch=prefetch or None).items() if v is not None}
-    if options and pack is None and not gguf_direct:
-        raise click.ClickException(f"--{next(iter(options)).replace('_', '-')} needs --pack or --gguf-direct")
+                                     prefetch=prefetch or None, direct_io=False if no_direct_io else None).items()
+               if v is not None}
     if ram_preload and ram_cache_mib is None:
         raise click.ClickException("--ram-preload fills the RAM tier: give --ram-cache-mib (MiB or auto)")
     return options
+
+
+def read_line(stream) -> str:
+    """One chat line from ``stream``, stripped; InputError when it is not UTF-8."""
+    try:
+        return stream.readline().strip()
+    except UnicodeDecodeError as exc:
+        raise InputError(f"stdin is not valid UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
 
 
 @main.command()
@@ -129,26 +152,27 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
 @click.option("--gguf-direct", is_flag=True, help="Serve routed experts straight from MODEL (no pack).")
 @click.option("-p", "--prompt", help="Prompt (with --chat: the system message).")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temp", type=click.FloatRange(min=0.0), default=0.8, show_default=True, help="0: greedy.")
+@click.option("--temp", type=FiniteFloat(min=0.0), default=0.8, show_default=True, help="0: greedy.")
 @click.option("--seed", type=click.IntRange(min=0), help="Sampling seed (default: random).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: llama-cpp-python's).")
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
 @click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), help="Physical batch size (default 512).")
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
-@click.option("--cache-vram-mib", type=click.FloatRange(min=0.0, min_open=True),
+@click.option("--cache-vram-mib", type=FiniteFloat(min=0.0, min_open=True),
               help="Expert cache size in MiB (GPU memory with -ngl, else host memory).")
 @click.option("--ram-cache-mib", type=RAM_CACHE_MIB,
               help='Host-RAM tier between the SSD and the expert cache, in MiB; "auto": half the spare RAM.')
 @click.option("--ram-preload", is_flag=True,
               help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
+@click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
         cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None,
-        ram_preload: bool, prefetch: bool, chat: bool, stats_json: str | None) -> None:
+        ram_preload: bool, prefetch: bool, no_direct_io: bool, chat: bool, stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
@@ -157,7 +181,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, no_direct_io))
     if ubatch_size is not None:
         params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
     if seed is not None:
@@ -176,7 +200,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
             while True:
                 if sys.stdin.isatty():
                     click.echo("> ", nl=False, err=True)
-                line = sys.stdin.readline().strip()
+                line = read_line(sys.stdin)
                 if not line:
                     break
                 messages.append({"role": "user", "content": line})
@@ -208,9 +232,10 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--ram-preload", is_flag=True,
               help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
+@click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
-          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool) -> None:
+          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, no_direct_io: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from werkzeug.serving import run_simple
 
@@ -220,7 +245,7 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, no_direct_io))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
                     **params) as llm:
         app = create_app(llm, api_key=api_key, queue_size=queue_size)

@@ -436,6 +436,15 @@ def test_slot_budget():
         slot_budget(StreamingSettings(cache_vram_reserve_mib=4096), **gpu)
     with pytest.raises(ValueError, match="stage_slots"):
         StreamingSettings(stage_slots=0)
+    # a slot count beyond the model's experts is capped; a pool larger than the memory free is refused up front
+    assert slot_budget(StreamingSettings(n_slots=100_000_000), **host, free_ram=1 << 40) == 64
+    with pytest.raises(CapacityError, match=r"cache of 64 experts .*needs 192 MiB but 100 MiB of RAM is free"):
+        slot_budget(StreamingSettings(n_slots=100_000_000), **host, free_ram=100 * MIB)
+    with pytest.raises(CapacityError, match=r"needs 30 MiB but 20 MiB of VRAM is free"):
+        slot_budget(StreamingSettings(n_slots=10), **dict(gpu, free_vram=20 * MIB))
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="cache_vram_mib must be a finite number > 0"):
+            StreamingSettings(cache_vram_mib=bad)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 64])
