@@ -78,16 +78,22 @@ def inspect(path: str) -> None:
 @main.command()
 @click.argument("pack_path", metavar="PACK", type=click.Path(dir_okay=False))
 @click.option("--against", type=click.Path(dir_okay=False), help="Also compare every block with this GGUF's bytes.")
+@click.option("--update-source", is_flag=True,
+              help="With --against: when every block matches, record that GGUF's modification time in the manifest "
+                   "(a copied or touched GGUF then loads with the pack).")
 @click.option("--no-direct-io", is_flag=True, help="Read with buffered I/O.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool) -> None:
+def verify(pack_path: str, against: str | None, update_source: bool, no_direct_io: bool, quiet: bool) -> None:
     """Check every block of PACK against its manifest (and a GGUF)."""
     from llamapack.pack import verify as verify_pack
 
-    report = verify_pack(pack_path, against=against, progress=not quiet, direct_io=not no_direct_io)
+    if update_source and against is None:
+        raise click.ClickException("--update-source records the GGUF given with --against: give one")
+    report = verify_pack(pack_path, against=against, progress=not quiet, direct_io=not no_direct_io,
+                         update_source=update_source)
     extra = f" and match {report.against}" if report.against else ""
     click.echo(f"OK: {report.blocks} blocks ({report.nbytes / 1e9:.3f} GB) pass sha256{extra} "
-               f"in {report.seconds:.1f} s")
+               f"in {report.seconds:.1f} s" + ("; its modification time is recorded" if update_source else ""))
 
 
 class FiniteFloat(click.FloatRange):
@@ -121,16 +127,17 @@ RAM_CACHE_MIB = RamCacheMib()
 
 
 def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool,
-                 ram_preload: bool = False, no_direct_io: bool = False) -> dict:
+                 ram_preload: bool = False, no_direct_io: bool = False, no_verify: bool = False) -> dict:
     """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve), and
     --ram-preload without --ram-cache-mib (no tier to fill)."""
     flags = {"--ram-cache-mib": ram_cache_mib is not None, "--ram-preload": ram_preload, "--prefetch": prefetch,
-             "--no-direct-io": no_direct_io}
+             "--no-direct-io": no_direct_io, "--no-verify": no_verify}
     given = [flag for flag, on in flags.items() if on]
     if given and pack is None and not gguf_direct:
         raise click.ClickException(f"{given[0]} needs --pack or --gguf-direct")
     options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, ram_preload=ram_preload or None,
-                                     prefetch=prefetch or None, direct_io=False if no_direct_io else None).items()
+                                     prefetch=prefetch or None, direct_io=False if no_direct_io else None,
+                                     verify_pack_sha256=False if no_verify else None).items()
                if v is not None}
     if ram_preload and ram_cache_mib is None:
         raise click.ClickException("--ram-preload fills the RAM tier: give --ram-cache-mib (MiB or auto)")
@@ -167,12 +174,15 @@ def read_line(stream) -> str:
               help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 @click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
+@click.option("--no-verify", is_flag=True,
+              help="Do not check each pack block's sha256 the first time it is read (on by default).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
         cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None,
-        ram_preload: bool, prefetch: bool, no_direct_io: bool, chat: bool, stats_json: str | None) -> None:
+        ram_preload: bool, prefetch: bool, no_direct_io: bool, no_verify: bool, chat: bool,
+        stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
@@ -181,7 +191,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, no_direct_io))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, no_direct_io, no_verify))
     if ubatch_size is not None:
         params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
     if seed is not None:
@@ -233,9 +243,12 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
               help="Fill the RAM tier from the SSD at start-up (slower start, no SSD waits while it holds every expert).")
 @click.option("--prefetch", is_flag=True, help="Router lookahead: read the next layer's likely experts ahead, in idle disk time (slower on the measured H200 machine: bench/results/gpu_prefetch_README.md).")
 @click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
+@click.option("--no-verify", is_flag=True,
+              help="Do not check each pack block's sha256 the first time it is read (on by default).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
-          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, no_direct_io: bool) -> None:
+          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, no_direct_io: bool,
+          no_verify: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from werkzeug.serving import run_simple
 
@@ -245,7 +258,7 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, no_direct_io))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, no_direct_io, no_verify))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
                     **params) as llm:
         app = create_app(llm, api_key=api_key, queue_size=queue_size)

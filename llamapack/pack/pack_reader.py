@@ -60,7 +60,8 @@ class PackReader:
             if model is not None:
                 model = model if isinstance(model, GgufModel) else open_gguf(model)
                 try:
-                    check_manifest_matches_model(self.manifest, model, check_source=check_source)
+                    check_manifest_matches_model(self.manifest, model, check_source=check_source,
+                                                 pack_path=self.pack_path)
                 except ModelMismatchError as exc:  # say which files: the check itself knows only fields
                     raise ModelMismatchError(f"{exc} (pack {self.pack_path}, manifest {self.manifest_path}, "
                                              f"model {model.paths[0]})") from None

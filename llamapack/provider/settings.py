@@ -20,8 +20,9 @@ class StreamingSettings:
     expert reads in flight; ``read_splits`` splits each pack read into that many parallel sub-reads (pack
     mode only: a GGUF-direct expert is read by one reader, role after role). ``direct_io=False`` reads
     through the page cache (for filesystems without O_DIRECT). ``stats_path``: a JSON file of the counters,
-    rewritten every ``stats_flush_interval`` acquires. ``verify_pack_sha256``: check every block read
-    against the manifest (pack mode only). ``read_timeout_s``: a read that has not finished by then fails
+    rewritten every ``stats_flush_interval`` acquires. ``verify_pack_sha256``: check each block against its
+    manifest sha256 the first time it is read in the process (pack mode only; on Python read threads the read
+    thread hashes it, on the native pool the compute thread). ``read_timeout_s``: a read that has not finished by then fails
     the decode (None: wait forever). ``ram_cache_mib``: a host-RAM tier of that many MiB (pinned for a GPU
     pool) holding whole expert blocks between the SSD and the pool (None: no tier; "auto": half the RAM
     still available to the process, its cgroup's limit included, or no tier when that holds too little; see
@@ -47,7 +48,7 @@ class StreamingSettings:
     direct_io: bool = True
     stats_path: str | None = None
     stats_flush_interval: int = 256
-    verify_pack_sha256: bool = False
+    verify_pack_sha256: bool = True
     n_slots: int | None = None
     read_timeout_s: float | None = 60.0
     ram_cache_mib: float | str | None = None
