@@ -233,6 +233,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--api-key", envvar="LLAMAPACK_API_KEY", help="Require Authorization: Bearer KEY (env LLAMAPACK_API_KEY).")
 @click.option("--queue-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Generation requests admitted at once (running + waiting); more get 429.")
+@click.option("--embedding", is_flag=True, help="Also serve /v1/embeddings (loads the model with embedding=True).")
 @click.option("--max-body-mib", type=FiniteFloat(min=0.0, min_open=True), default=8, show_default=True,
               help="Largest request body; a larger one is answered 413.")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=4096, show_default=True)
@@ -248,7 +249,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--no-verify", is_flag=True,
               help="Do not check each pack block's sha256 the first time it is read (on by default).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
-          queue_size: int, max_body_mib: float, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
+          queue_size: int, embedding: bool, max_body_mib: float, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
           ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, no_direct_io: bool,
           no_verify: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
@@ -258,7 +259,7 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
 
     if api_key is not None and not api_key.strip():
         raise click.ClickException("--api-key is empty: give a non-empty key, or none to serve without one")
-    params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
+    params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False, **({"embedding": True} if embedding else {}))
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
     params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, no_direct_io, no_verify))

@@ -422,3 +422,34 @@ def test_idle_connections_take_no_threads(serve):
     finally:
         for s in sockets:
             s.close()
+
+
+@pytest.fixture(scope="module")
+def embedder(model_path):
+    with open_model(str(model_path), pack=True, n_ctx=256, n_threads=2, verbose=False, embedding=True,
+                    pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN) as llm:
+        yield llm
+
+
+def test_embeddings(llm, embedder):
+    app = create_app(embedder, model_name=NAME)
+    server = make_server(app, "127.0.0.1", 0, queue_size=4, max_body_bytes=1 << 20)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        expected = embedder.create_embedding(["Hello there", "bye"])["data"]
+        result = client(base).embeddings.create(model="any", input=["Hello there", "bye"])  # base64 on the wire
+        assert [list(map(float, d.embedding)) for d in result.data] == \
+            [pytest.approx(e["embedding"], rel=0, abs=0) for e in expected]
+        status, body, _ = raw(base, "/v1/embeddings", json.dumps({"input": "Hello there"}).encode())
+        assert status == 200 and body["data"][0]["embedding"] == expected[0]["embedding"]
+        status, body, _ = raw(base, "/v1/embeddings", json.dumps({"input": ""}).encode())
+        assert status == 400 and "input 0 is empty" in body["error"]["message"]
+    finally:
+        server.close()
+        thread.join(10)
+    app = create_app(llm, model_name=NAME)  # loaded without embeddings: refused, naming the switch
+    with app.test_client() as http:
+        response = http.post("/v1/embeddings", json={"input": "Hi"})
+    assert response.status_code == 400 and "--embedding" in response.get_json()["error"]["message"]

@@ -9,18 +9,20 @@ A request is checked before it is admitted: its body size (``max_body_bytes``, e
 (params.py: forwarded to llama_cpp, or 400 naming the field) and its prompt, tokenized (empty, not UTF-8 or
 longer than the context: 400), so a bad request never waits for the generation. Any model name is accepted:
 the one model answers (as llama-server does), so clients configured for another name work.
+``/v1/embeddings`` answers when the model was loaded with ``embedding=True`` (``serve --embedding``).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "code"}}``, status chosen by exception type.
 ``/stats`` gives the pack counters and the last request's rates; ``/`` is a chat page (static/index.html).
 """
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
 import os
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from flask import Flask, Response, jsonify, request
@@ -158,6 +160,10 @@ def create_app(llm, *, api_key: str | None = None, queue_size: int = 4, model_na
         check_messages(state.llm, messages)
         return generate(state, lambda llm, **kw: llm.create_chat_completion(messages, **kw), body, chat=True)
 
+    @app.post("/v1/embeddings")
+    def embeddings():
+        return jsonify(embed(state, request_json()))
+
     @app.get("/stats")
     def stats():
         pack = llm.pack_stats() if hasattr(llm, "pack_stats") else {}
@@ -190,18 +196,57 @@ def check_messages(llm, messages: list[dict]) -> None:
         raise InputError(f"the messages are {n} tokens; the context holds {llm.n_ctx()} for them and the reply")
 
 
+@contextmanager
+def admission(state: ServerState):
+    """Admitted (else QueueFullError, 429) and holding the generation lock, until the block ends."""
+    if not state.admitted.acquire(blocking=False):
+        raise QueueFullError(f"the server is busy ({state.queue_size} requests admitted); retry later")
+    try:
+        with state.lock:
+            yield
+    finally:
+        state.admitted.release()
+
+
+def embed(state: ServerState, body: dict) -> dict:
+    """OpenAI's embeddings response for ``body`` (``input``: a string or a list of them)."""
+    if not state.llm.context_params.embeddings:
+        raise BadRequestError("this server computes no embeddings: start it with --embedding (embedding=True)")
+    unknown = set(body) - {"input", "model", "encoding_format", "user"}
+    if unknown:
+        raise BadRequestError(f"'{sorted(unknown)[0]}' is not supported by /v1/embeddings")
+    inputs = [body.get("input")] if isinstance(body.get("input"), str) else body.get("input")
+    if not (isinstance(inputs, list) and inputs and all(isinstance(text, str) for text in inputs)):
+        raise BadRequestError("'input' must be a string or a non-empty list of strings")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise BadRequestError("'encoding_format' must be \"float\" or \"base64\"")
+    for i, text in enumerate(inputs):
+        check_prompt(state.llm, text, f"input {i}")
+    with admission(state):
+        try:
+            result = state.llm.create_embedding(inputs, model=state.model_name)
+        except ValueError as exc:  # llama_cpp: an input longer than a batch
+            raise BadRequestError(str(exc)) from None
+    if encoding == "base64":
+        import numpy as np  # here: numpy must not load before llama_cpp (run.py)
+
+        for item in result["data"]:
+            vector = np.asarray(item["embedding"], dtype="<f4")
+            if vector.ndim != 1:
+                raise BadRequestError("the model gives one embedding per token (no pooling): ask for \"float\"")
+            item["embedding"] = base64.b64encode(vector.tobytes()).decode("ascii")
+    return result
+
+
 def generate(state: ServerState, create, body: dict, chat: bool):
     """Run ``create(llm, **kwargs)`` for one admitted request; a JSON response, or an SSE stream."""
     kwargs = request_kwargs(state.llm, body, chat)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequestError("'stream' must be true or false")
-    if not state.admitted.acquire(blocking=False):
-        raise QueueFullError(f"the server is busy ({state.queue_size} requests admitted); retry later")
     with ExitStack() as done:  # undone in reverse: stream closed, timing stopped, stats kept, lock, admission
-        done.callback(state.admitted.release)
-        state.lock.acquire()
-        done.callback(state.lock.release)
+        done.enter_context(admission(state))
         runner = Runner(state.llm)
         done.callback(record, state, runner)
         done.enter_context(runner.timed())
