@@ -50,6 +50,7 @@ def load(spec: dict, config: BenchConfig):
     read_splits = config.read_splits if config.read_splits is not None else spec.get("read_splits", 1)
     return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
                  stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=config.native_reads,
+                 verify_pack_sha256=config.verify,
                  **extra, **params)
 
 
