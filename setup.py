@@ -15,7 +15,7 @@ setup(
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     # llama-cpp-python itself is built and installed by scripts/build_llama.py (patched); its runtime
     # dependencies are listed here because that install skips dependency resolution
-    install_requires=["numpy", "gguf==0.19.0", "cffi>=1.15", "click>=8", "flask>=3", "tqdm",
+    install_requires=["numpy", "gguf==0.19.0", "cffi>=1.15", "click>=8", "flask>=3", "waitress>=3", "tqdm",
                       "diskcache>=5.6.1", "jinja2>=2.11.3", "typing-extensions>=4.5.0"],
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "selenium", "matplotlib"],

@@ -7,11 +7,12 @@ in ``LlamapackGroup``, so commands added later get the same behaviour).
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 
 import click
 
-from llamapack.errors import IntegrityError, LlamapackError
+from llamapack.errors import InputError, IntegrityError, LlamapackError
 
 # commands defined in other modules, imported only when used (numpy must not load before llama_cpp)
 LAZY_COMMANDS = {"synth": "llamapack.synth.command:synth_command", "bench": "llamapack.bench.command:bench_command",
@@ -47,14 +48,16 @@ def main() -> None:
               help="Free space to leave on the target filesystem.")
 @click.option("--full-hash", is_flag=True, help="Fingerprint the source GGUF with a full sha256 (slow) instead of sampling.")
 @click.option("--no-direct-io", is_flag=True, help="Write with buffered I/O (for filesystems without O_DIRECT).")
+@click.option("--force", is_flag=True, help="Replace an existing output file that is not a pack.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack(model: str, output: str | None, safety_margin_mib: int, full_hash: bool, no_direct_io: bool, quiet: bool) -> None:
+def pack(model: str, output: str | None, safety_margin_mib: int, full_hash: bool, no_direct_io: bool, force: bool,
+         quiet: bool) -> None:
     """Build the expert pack of MODEL.gguf."""
     from llamapack.pack import build_pack
     from llamapack.pack.identity import FULL, SAMPLED
 
     result = build_pack(model, output, safety_margin_mib=safety_margin_mib, progress=not quiet,
-                        direct_io=not no_direct_io, fingerprint_mode=FULL if full_hash else SAMPLED)
+                        direct_io=not no_direct_io, fingerprint_mode=FULL if full_hash else SAMPLED, force=force)
     layout = result.manifest.layout
     rate = layout.num_blocks * layout.expert_stride / max(result.seconds, 1e-9) / 1e9
     click.echo(f"wrote {result.pack_path} ({layout.pack_size / 1e9:.3f} GB, {len(layout.layers)} layers x "
@@ -75,16 +78,32 @@ def inspect(path: str) -> None:
 @main.command()
 @click.argument("pack_path", metavar="PACK", type=click.Path(dir_okay=False))
 @click.option("--against", type=click.Path(dir_okay=False), help="Also compare every block with this GGUF's bytes.")
+@click.option("--update-source", is_flag=True,
+              help="With --against: when every block matches, record that GGUF's modification time in the manifest "
+                   "(a copied or touched GGUF then loads with the pack).")
 @click.option("--no-direct-io", is_flag=True, help="Read with buffered I/O.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def verify(pack_path: str, against: str | None, no_direct_io: bool, quiet: bool) -> None:
+def verify(pack_path: str, against: str | None, update_source: bool, no_direct_io: bool, quiet: bool) -> None:
     """Check every block of PACK against its manifest (and a GGUF)."""
     from llamapack.pack import verify as verify_pack
 
-    report = verify_pack(pack_path, against=against, progress=not quiet, direct_io=not no_direct_io)
+    if update_source and against is None:
+        raise click.ClickException("--update-source records the GGUF given with --against: give one")
+    report = verify_pack(pack_path, against=against, progress=not quiet, direct_io=not no_direct_io,
+                         update_source=update_source)
     extra = f" and match {report.against}" if report.against else ""
     click.echo(f"OK: {report.blocks} blocks ({report.nbytes / 1e9:.3f} GB) pass sha256{extra} "
-               f"in {report.seconds:.1f} s")
+               f"in {report.seconds:.1f} s" + ("; its modification time is recorded" if update_source else ""))
+
+
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan and inf."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 class RamCacheMib(click.ParamType):
@@ -108,18 +127,32 @@ RAM_CACHE_MIB = RamCacheMib()
 
 
 def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool,
-                 ram_preload: bool = False, warm_start: bool | None = None) -> dict:
+                 ram_preload: bool = False, warm_start: bool | None = None, no_direct_io: bool = False,
+                 no_verify: bool = False) -> dict:
     """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve), and
     --ram-preload without --ram-cache-mib (no tier to fill)."""
+    flags = {"--ram-cache-mib": ram_cache_mib is not None, "--ram-preload": ram_preload, "--prefetch": prefetch,
+             "--no-direct-io": no_direct_io, "--no-verify": no_verify}
+    given = [flag for flag, on in flags.items() if on]
+    if given and pack is None and not gguf_direct:
+        raise click.ClickException(f"{given[0]} needs --pack or --gguf-direct")
     options = {k: v for k, v in dict(ram_cache_mib=ram_cache_mib, ram_preload=ram_preload or None,
-                                     prefetch=prefetch or None).items() if v is not None}
-    if options and pack is None and not gguf_direct:
-        raise click.ClickException(f"--{next(iter(options)).replace('_', '-')} needs --pack or --gguf-direct")
+                                     prefetch=prefetch or None, direct_io=False if no_direct_io else None,
+                                     verify_pack_sha256=False if no_verify else None).items()
+               if v is not None}
     if ram_preload and ram_cache_mib is None:
         raise click.ClickException("--ram-preload fills the RAM tier: give --ram-cache-mib (MiB or auto)")
     if warm_start is False and (pack is not None or gguf_direct):  # no pack: no expert cache to warm
         options["warm_start"] = False
     return options
+
+
+def read_line(stream) -> str:
+    """One chat line from ``stream``, stripped; InputError when it is not UTF-8."""
+    try:
+        return stream.readline().strip()
+    except UnicodeDecodeError as exc:
+        raise InputError(f"stdin is not valid UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
 
 
 @main.command()
@@ -129,14 +162,14 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
 @click.option("--gguf-direct", is_flag=True, help="Serve routed experts straight from MODEL (no pack).")
 @click.option("-p", "--prompt", help="Prompt (with --chat: the system message).")
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temp", type=click.FloatRange(min=0.0), default=0.8, show_default=True, help="0: greedy.")
+@click.option("--temp", type=FiniteFloat(min=0.0), default=0.8, show_default=True, help="0: greedy.")
 @click.option("--seed", type=click.IntRange(min=0), help="Sampling seed (default: random).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: llama-cpp-python's).")
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
 @click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), help="Physical batch size (default 512).")
 @click.option("--cache-slots", type=click.IntRange(min=1), help="Experts the cache holds.")
-@click.option("--cache-vram-mib", type=click.FloatRange(min=0.0, min_open=True),
+@click.option("--cache-vram-mib", type=FiniteFloat(min=0.0, min_open=True),
               help="Expert cache size in MiB (GPU memory with -ngl, else host memory).")
 @click.option("--ram-cache-mib", type=RAM_CACHE_MIB,
               help='Host-RAM tier between the SSD and the expert cache, in MiB; "auto": half the spare RAM.')
@@ -146,12 +179,16 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
 @click.option("--no-warm-start", "warm_start", is_flag=True, flag_value=False, default=None,
               help="Start with an empty expert cache, and save no expert counts at exit (default: fill the cache "
                    "with the experts this pack used most last time, from ~/.cache/llamapack/warm).")
+@click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
+@click.option("--no-verify", is_flag=True,
+              help="Do not check each pack block's sha256 the first time it is read (on by default).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
         cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None,
-        ram_preload: bool, prefetch: bool, warm_start: bool | None, chat: bool, stats_json: str | None) -> None:
+        ram_preload: bool, prefetch: bool, warm_start: bool | None, no_direct_io: bool, no_verify: bool, chat: bool,
+        stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
@@ -160,7 +197,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start, no_direct_io, no_verify))
     if ubatch_size is not None:
         params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
     if seed is not None:
@@ -179,7 +216,7 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
             while True:
                 if sys.stdin.isatty():
                     click.echo("> ", nl=False, err=True)
-                line = sys.stdin.readline().strip()
+                line = read_line(sys.stdin)
                 if not line:
                     break
                 messages.append({"role": "user", "content": line})
@@ -202,6 +239,9 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--api-key", envvar="LLAMAPACK_API_KEY", help="Require Authorization: Bearer KEY (env LLAMAPACK_API_KEY).")
 @click.option("--queue-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Generation requests admitted at once (running + waiting); more get 429.")
+@click.option("--embedding", is_flag=True, help="Also serve /v1/embeddings (loads the model with embedding=True).")
+@click.option("--max-body-mib", type=FiniteFloat(min=0.0, min_open=True), default=8, show_default=True,
+              help="Largest request body; a larger one is answered 413.")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: llama-cpp-python's).")
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True, help="Layers on the GPU (-1: all).")
@@ -214,24 +254,31 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--no-warm-start", "warm_start", is_flag=True, flag_value=False, default=None,
               help="Start with an empty expert cache, and save no expert counts at exit (default: fill the cache "
                    "with the experts this pack used most last time, from ~/.cache/llamapack/warm).")
+@click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
+@click.option("--no-verify", is_flag=True,
+              help="Do not check each pack block's sha256 the first time it is read (on by default).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
-          queue_size: int, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
-          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, warm_start: bool | None) -> None:
+          queue_size: int, embedding: bool, max_body_mib: float, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
+          ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, no_direct_io: bool,
+          no_verify: bool, warm_start: bool | None) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
-    from werkzeug.serving import run_simple
-
     from llamapack.run import open_model
     from llamapack.server import create_app
+    from llamapack.server.wsgi import make_server
 
-    params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
+    if api_key is not None and not api_key.strip():
+        raise click.ClickException("--api-key is empty: give a non-empty key, or none to serve without one")
+    params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False, **({"embedding": True} if embedding else {}))
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start, no_direct_io, no_verify))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
                     **params) as llm:
-        app = create_app(llm, api_key=api_key, queue_size=queue_size)
-        click.echo(f"serving {app.extensions['llamapack'].model_name} on http://{host}:{port}/v1", err=True)
-        run_simple(host, port, app, threaded=True)
+        max_body_bytes = int(max_body_mib * (1 << 20))
+        app = create_app(llm, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes)
+        server = make_server(app, host, port, queue_size=queue_size, max_body_bytes=max_body_bytes)
+        click.echo(f"serving {app.extensions['llamapack'].model_name} on http://{host}:{server.port}/v1", err=True)
+        server.run()
 
 
 @main.command()

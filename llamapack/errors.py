@@ -29,5 +29,9 @@ class CapacityError(LlamapackError):
     """A memory budget (slots, VRAM, RAM, disk) is too small for what was asked."""
 
 
+class InputError(LlamapackError):
+    """A prompt or request the model cannot take: empty, longer than the context, not UTF-8."""
+
+
 class NativeError(LlamapackError):
     """The patched llama.cpp library is missing, unpatched, or reported a failure."""

@@ -9,12 +9,13 @@ mode the model loads with its routed experts left on disk and, when the pool is 
 repacking off (``use_extra_bufts``: llama.cpp's repacked layouts use kernels that round differently from
 the GGUF bytes the pool holds).
 Experts are served by ``provider.streaming.StreamingProvider``; its settings (``StreamingSettings``) are
-keyword parameters of the same names.
+keyword parameters of the same names. ``vocab_only=True`` loads the vocabulary only (no provider); a pickled
+pack-mode ``Llama`` unpickles in pack mode with the same settings.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import llama_cpp
 
@@ -87,8 +88,8 @@ class Llama(llama_cpp.Llama):
             prefetch_in_flight=prefetch_in_flight, native_reads=native_reads,
             warm_start=default_warm_start() if warm_start is None else warm_start,
             warm_start_dir=None if warm_start_dir is None else os.fspath(warm_start_dir))
-        if self.pack_settings is None:
-            super().__init__(model_path, *args, **kwargs)
+        if self.pack_settings is None or kwargs.get("vocab_only"):
+            super().__init__(model_path, *args, **kwargs)  # vocab_only: no weights, no experts to serve
             return
         reader = self._open_reader(model_path)  # a bad pack fails here, before the model loads
         # a host pool computes experts with the CPU's plain kernels: keep llama.cpp from repacking the rest
@@ -118,6 +119,16 @@ class Llama(llama_cpp.Llama):
             return GgufDirectReader(s.source, direct_io=streaming.direct_io)
         return PackReader(s.source, model=model_path, direct_io=streaming.direct_io,
                           verify_sha256=streaming.verify_pack_sha256)
+
+    def __getstate__(self) -> dict:
+        """llama_cpp's state plus the pack parameters: an unpickled copy loads and serves experts the same way."""
+        state = super().__getstate__()
+        s = self.pack_settings
+        if s is not None:
+            state.update({f.name: getattr(s.streaming, f.name) for f in fields(s.streaming) if f.name != "n_slots"},
+                         cache_slots=s.streaming.n_slots, gguf_direct=s.gguf_direct,
+                         pack=None if s.gguf_direct else s.source)
+        return state
 
     def eval(self, tokens):
         try:

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import llama_cpp  # noqa: F401 - imported before numpy (see docs/hook.md: static C++ runtime)
 
-from .errors import LlamapackError, NativeError, PackIOError
+from .errors import InputError, LlamapackError, NativeError, PackIOError
 
 
 def expert_read_bytes(pack_stats: dict) -> int:
@@ -110,6 +110,28 @@ def open_model(model: str, *, pack=None, gguf_direct: bool = False, cache_slots:
         raise NativeError(f"llama.cpp could not load {model}: {exc}") from None
 
 
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; InputError naming ``what`` when it holds bytes that were not UTF-8 (surrogates)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise InputError(f"{what} is not valid UTF-8 ({byte} at character {exc.start})") from None
+
+
+def check_prompt(llm, prompt: str, what: str = "the prompt") -> int:
+    """The number of tokens ``prompt`` evaluates to (with BOS where the model adds one); InputError when it is
+    not UTF-8, empty, or leaves no room in the context for a token (llama_cpp's own checks fail less clearly)."""
+    n = len(llm.tokenize(utf8(prompt, what), add_bos=True, special=True))
+    if n == 0:
+        raise InputError(f"{what} is empty: there is nothing to evaluate")
+    if n >= llm.n_ctx():
+        raise InputError(f"{what} is {n} tokens; the context holds {llm.n_ctx()} for the prompt and the reply: "
+                         "shorten it or raise the context size (n_ctx, -c/--ctx-size)")
+    return n
+
+
 class Runner:
     """Streams completions or chat replies from ``llm`` and keeps the totals in ``stats``."""
 
@@ -119,6 +141,7 @@ class Runner:
 
     def complete(self, prompt: str, **sampling) -> Iterator[str]:
         """Text pieces of the completion of ``prompt`` as they come (``create_completion`` arguments)."""
+        check_prompt(self.llm, prompt)
         with self.timed():
             for chunk in self.llm.create_completion(prompt, stream=True, **sampling):
                 yield chunk["choices"][0]["text"]
@@ -126,13 +149,18 @@ class Runner:
     def chat(self, messages: list[dict], **sampling) -> Iterator[str]:
         """Text pieces of the assistant's reply to ``messages`` (the GGUF's chat template); when the
         reply is complete it is appended to ``messages``."""
+        for i, message in enumerate(messages):
+            utf8(message.get("content") or "", f"message {i + 1} ({message.get('role')})")
         pieces = []
         with self.timed():
-            for chunk in self.llm.create_chat_completion(messages, stream=True, **sampling):
-                text = chunk["choices"][0]["delta"].get("content")
-                if text:
-                    pieces.append(text)
-                    yield text
+            try:
+                for chunk in self.llm.create_chat_completion(messages, stream=True, **sampling):
+                    text = chunk["choices"][0]["delta"].get("content")
+                    if text:
+                        pieces.append(text)
+                        yield text
+            except ValueError as exc:  # llama_cpp: the conversation no longer fits the context
+                raise InputError(f"the conversation does not fit the context: {exc}") from None
         messages.append({"role": "assistant", "content": "".join(pieces)})
 
     def _pack_stats(self) -> dict:

@@ -93,6 +93,9 @@ def test_a_combination_outside_the_matrix_is_parsed():
     assert parse_config("pack-25%+ram50%", 16).ram_cache_mib(1 << 30) == 512
     assert parse_config("pack-25%", 16).ram_cache_mib(1 << 30) is None
     assert parse_config("pack-25%+ram+preload", 16).ram_preload and parse_config("pack-25%+ramauto+preload", 16).ram_auto
+    assert parse_config("pack-25%", 16).verify and not parse_config("pack-25%+noverify@8G", 16).verify
+    with pytest.raises(ValueError, match="noverify"):
+        parse_config("gguf-direct-25%+noverify", 16)
     for name, message in (("pack-25%+nope@8G", "unknown option 'nope'"), ("pack-x%", "unknown run"),
                           ("pack-25%@8X", "@<n>G or @<n>M"), ("cpu-moe+prefetch", "llamapack settings"),
                           ("pack-250%", "must be in"), ("pack-25%+ram50%+ramauto", "instead of ram_fraction"),

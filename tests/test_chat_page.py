@@ -2,7 +2,8 @@
 live stats panel, and the Stop button. Saves a screenshot in the test's tmp directory; with
 LLAMAPACK_UPDATE_SCREENSHOT=1 it replaces the committed ``tests/screenshots/chat_page.png``.
 
-Needs Debian's ``chromium`` and ``chromium-driver`` (CI installs them); without them this test fails."""
+Needs Debian's ``chromium`` and ``chromium-driver`` (scripts/test.sh installs them when missing); without them
+this test fails."""
 from __future__ import annotations
 
 import llama_cpp  # noqa: F401 - before numpy (see docs/hook.md: static C++ runtime)

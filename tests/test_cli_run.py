@@ -171,6 +171,13 @@ ERROR_CASES = {
                                    "Error: --ram-preload fills the RAM tier: give --ram-cache-mib"),
     "cache too small": (lambda m, tmp: [str(m[0][0]), "--pack", "--cache-slots", "1", "-ub", "512", "-p", "x"],
                         "Error: the expert cache holds 1 experts"),
+    "prompt longer than the context": (lambda m, tmp: [str(m[0][0]), "--pack", "-c", "256", "-p", "word " * 600],
+                                       "Error: the prompt is 601 tokens; the context holds 256"),
+    "empty prompt": (lambda m, tmp: [str(m[0][0]), "--pack", "-p", ""], "Error: the prompt is empty"),
+    "prompt not UTF-8": (lambda m, tmp: [str(m[0][0]), "--pack", "-p", os.fsdecode(b"a\xff")],
+                         "Error: the prompt is not valid UTF-8 (byte 0xff at character 1)"),
+    "no-direct-io without a pack": (lambda m, tmp: [str(m[0][0]), "--no-direct-io", "-p", "x"],
+                                    "Error: --no-direct-io needs --pack or --gguf-direct"),
 }
 
 
@@ -194,6 +201,34 @@ def test_a_bad_ram_tier_size_is_a_usage_error(models, size):
     code, out, err = invoke("run", str(models[0][0]), "--pack", "--ram-cache-mib", size, "-p", "x")
     assert code == 2 and f"Invalid value for '--ram-cache-mib': '{size}' is neither a size in MiB above 0" in err
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("option, value", [("--cache-vram-mib", "inf"), ("--cache-vram-mib", "nan"),
+                                           ("--temp", "nan"), ("--temp", "inf")])
+def test_a_number_that_is_not_finite_is_a_usage_error(models, option, value):
+    code, out, err = invoke("run", str(models[0][0]), "--pack", option, value, "-p", "x")
+    assert code == 2 and f"Invalid value for '{option}': '{value}' is not a finite number" in err
+    assert "Traceback" not in out + err
+
+
+def test_cache_slots_beyond_the_model_are_capped_and_no_direct_io_runs(models, tmp_path):
+    model, pack = models[0]
+    stats_path = tmp_path / "stats.json"
+    code, plain, err = invoke("run", str(model), *GREEDY, "--pack")
+    assert code == 0, err
+    code, out, err = invoke("run", str(model), *GREEDY, "--pack", "--cache-slots", "100000000", "--no-direct-io",
+                            "--stats-json", str(stats_path))
+    assert code == 0, err
+    assert out == plain and json.loads(stats_path.read_text())["pack"]["n_slots"] == 4 * 16  # layers x experts
+
+
+def test_chat_line_not_utf8_is_one_line_error(models):
+    proc = subprocess.run([sys.executable, "-m", "llamapack", "run", str(models[0][0]), "--pack", "--chat", "-n", "2"],
+                          input=b"Hello\n\xff\xfe\n", capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("Error: ") and "not valid UTF-8" in err.splitlines()[-1]
 
 
 def test_demo_reports_identical(tmp_path):

@@ -153,3 +153,31 @@ def test_prefetch_settings_reach_the_provider(model, pair):
         assert llm.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == want
         stats = llm.pack_stats()
     assert (stats["prefetch_top"], stats["prefetch_slots"]) == (1, 3) and stats["lookahead_keys"] > 0
+
+
+def test_vocab_only_with_a_pack_loads_the_vocabulary(model, pair):
+    llm = llamapack.Llama(model, pack=True, vocab_only=True, verbose=False)
+    try:
+        assert llm.tokenize(PROMPT.encode()) == pair[0].tokenize(PROMPT.encode())
+        assert llm.pack_stats() == {}
+    finally:
+        llm.close()
+
+
+def test_pickling_keeps_pack_mode_and_its_settings(model, pair):
+    import pickle
+
+    packed = llamapack.Llama(model, pack=True, cache_slots=24, read_splits=2, verify_pack_sha256=False, **PARAMS)
+    try:
+        copy = pickle.loads(pickle.dumps(packed))
+    finally:
+        packed.close()
+    try:
+        assert copy.pack_settings == packed.pack_settings
+        assert copy.pack_stats()["n_slots"] == 24
+        greedy = dict(max_tokens=8, temperature=0)
+        assert copy.create_completion(PROMPT, **greedy)["choices"][0]["text"] == \
+            pair[0].create_completion(PROMPT, **greedy)["choices"][0]["text"]
+        assert expert_read_bytes(copy.pack_stats()) > 0  # served from the pack, not a full load
+    finally:
+        copy.close()

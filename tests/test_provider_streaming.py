@@ -436,6 +436,15 @@ def test_slot_budget():
         slot_budget(StreamingSettings(cache_vram_reserve_mib=4096), **gpu)
     with pytest.raises(ValueError, match="stage_slots"):
         StreamingSettings(stage_slots=0)
+    # a slot count beyond the model's experts is capped; a pool larger than the memory free is refused up front
+    assert slot_budget(StreamingSettings(n_slots=100_000_000), **host, free_ram=1 << 40) == 64
+    with pytest.raises(CapacityError, match=r"cache of 64 experts .*needs 192 MiB but 100 MiB of RAM is free"):
+        slot_budget(StreamingSettings(n_slots=100_000_000), **host, free_ram=100 * MIB)
+    with pytest.raises(CapacityError, match=r"needs 30 MiB but 20 MiB of VRAM is free"):
+        slot_budget(StreamingSettings(n_slots=10), **dict(gpu, free_vram=20 * MIB))
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="cache_vram_mib must be a finite number > 0"):
+            StreamingSettings(cache_vram_mib=bad)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 64])
@@ -575,3 +584,50 @@ def test_read_fault_with_prefetch_fails_closed(models, vanilla, tmp_path):
     else:  # a wrong guess: dropped, its failure counted
         assert result["stats"]["prefetch_wasted"] >= 1
     assert np.array_equal(np.load(tmp_path / "f.npy"), vanilla("qwen3moe-tiny", 7))
+
+
+def test_thread_reads_check_each_block_once_on_a_read_thread(moe_pack, monkeypatch):
+    """The first read of a block in the process is hashed by the read thread that reads its last piece; later
+    reads of it are not hashed again; a block that fails fails its read's future, naming layer and expert."""
+    import threading
+
+    from llamapack.errors import IntegrityError
+    from llamapack.pack import PackReader, aligned_buffer
+    from llamapack.provider.reads import ThreadReads, open_source
+
+    reader = PackReader(moe_pack.pack_path)
+    hashed = []
+    check_block = reader.check_block
+    monkeypatch.setattr(reader, "check_block",
+                        lambda *a: (hashed.append((a[:2], threading.current_thread().name)), check_block(*a)))
+    source = open_source(reader, direct_io=True, read_fn=None, read_splits=3, verify_sha256=True)
+    reads = ThreadReads(source, n_threads=4, max_prefetch=1)
+    keys = [(entry.layer, expert) for entry in reader.layout.layers for expert in range(reader.layout.num_experts)]
+    try:
+        block = aligned_buffer(reader.layout.expert_stride)
+        for _ in range(2):
+            for i, key in enumerate(keys):
+                pieces = reads.start(key, block, source.pieces if i % 2 else source.prefetch_pieces, i % 2 == 0)
+                for piece in pieces:
+                    piece.result()
+                source.check(*key, block)  # what the provider does after a read: already checked, not hashed
+        assert sorted(key for key, _ in hashed) == sorted(keys)  # each block once
+        assert all(name.startswith("llamapack-read-") for _, name in hashed)
+    finally:
+        reads.close()
+        reader.close()
+
+    layer, expert = keys[5]
+    flip_byte(moe_pack.pack_path, reader.layout.block_offset(layer, expert) + 4096 + 7)
+    reader = PackReader(moe_pack.pack_path)
+    source = open_source(reader, direct_io=True, read_fn=None, read_splits=3, verify_sha256=True)
+    reads = ThreadReads(source, n_threads=2, max_prefetch=0)
+    try:
+        pieces = reads.start((layer, expert), aligned_buffer(reader.layout.expert_stride), source.pieces)
+        with pytest.raises(IntegrityError, match=f"layer {layer} expert {expert} .*fails its sha256 check"):
+            for piece in pieces:
+                piece.result()
+        assert source.needs_check(layer, expert)  # a failed block is checked again on its next read
+    finally:
+        reads.close()
+        reader.close()

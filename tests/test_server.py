@@ -16,12 +16,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from werkzeug.serving import make_server
-
-from llamapack.errors import CapacityError, PackIOError
+from llamapack.errors import CapacityError, LlamapackError, PackIOError
 from llamapack.pack import build_pack
 from llamapack.run import open_model
 from llamapack.server import create_app
+from llamapack.server.wsgi import make_server
 from llamapack.synth import write_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,20 +43,24 @@ def llm(model_path):
 
 @pytest.fixture
 def serve(llm):
-    """``serve(**create_app_kwargs)`` starts a threaded werkzeug server on a free loopback port; its base URL."""
+    """``serve(**create_app_kwargs)`` starts the production server (waitress, as ``llamapack serve`` does) on a
+    free loopback port; its base URL. ``serve.apps`` holds the apps started."""
     servers = []
 
     def start(**kwargs) -> str:
-        server = make_server("127.0.0.1", 0, create_app(llm, model_name=NAME, **kwargs), threaded=True)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        app = create_app(llm, model_name=NAME, **kwargs)
+        server = make_server(app, "127.0.0.1", 0, queue_size=app.extensions["llamapack"].queue_size,
+                             max_body_bytes=app.config["MAX_CONTENT_LENGTH"])
+        thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         servers.append((server, thread))
-        return f"http://127.0.0.1:{server.server_port}"
+        start.apps.append(app)
+        return f"http://127.0.0.1:{server.port}"
 
+    start.apps = []
     yield start
     for server, thread in servers:
-        server.shutdown()
-        server.server_close()
+        server.close()
         thread.join(10)
 
 
@@ -142,13 +145,25 @@ def test_errors_in_openai_shape(serve):
     assert_openai_error(body, "invalid_request_error")
 
     api = client(base)
-    with pytest.raises(openai.NotFoundError) as info:
-        api.chat.completions.create(model="other", messages=CHAT)
-    assert_openai_error(info.value.response.json(), "invalid_request_error", "model_not_found")
     with pytest.raises(openai.BadRequestError):
         api.chat.completions.create(model=NAME, messages=[])
-    with pytest.raises(openai.BadRequestError):  # longer than the context (512)
+    with pytest.raises(openai.BadRequestError) as info:  # longer than the context (512)
         api.completions.create(model=NAME, prompt="word " * 600, max_tokens=2)
+    assert "601 tokens; the context holds 512" in info.value.response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # empty: 400, not 500
+        api.completions.create(model=NAME, prompt="", max_tokens=2)
+    assert "the prompt is empty" in info.value.response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 600}])
+    assert "the messages are 601 tokens" in info.value.response.json()["error"]["message"]
+
+
+def test_any_model_name_is_the_one_model(serve, llm):
+    api = client(serve())
+    greedy = dict(max_tokens=4, temperature=0)
+    assert served(api, CHAT, False, model="gpt-4o", **greedy) == direct(llm, CHAT, **greedy)
+    assert served(api, "Once", True, model="whatever", **greedy) == direct(llm, "Once", **greedy)
+    assert api.models.retrieve("gpt-4o").id == NAME
 
 
 @pytest.mark.parametrize("error, status, code", [(PackIOError("EIO reading layer 1"), 500, "pack_io_error"),
@@ -326,3 +341,115 @@ def test_chat_page_is_served_without_key(serve):
         page = r.read().decode()
     assert "/v1/chat/completions" in page and "/stats" in page
     assert "http://" not in page and "https://" not in page
+
+
+def test_api_key_must_not_be_empty(llm, tmp_path):
+    for key in ("", "  "):
+        with pytest.raises(LlamapackError, match="the API key is empty"):
+            create_app(llm, api_key=key)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "llamapack", "serve", str(tmp_path / "m.gguf"), "--api-key", ""],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith("Error: --api-key is empty") and proc.stderr.count("\n") == 1
+
+
+def test_body_over_the_limit_gets_413(serve):
+    base = serve(max_body_bytes=4096)
+    status, body, _ = raw(base, "/v1/completions", json.dumps({"prompt": "x" * 5000, "max_tokens": 2}).encode())
+    assert status == 413
+    assert_openai_error(body, "invalid_request_error")
+    status, _, _ = raw(base, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}).encode())
+    assert status == 200
+
+
+def test_prompts_are_checked_before_waiting_for_the_generation(serve, llm):
+    """While a generation holds the lock, a prompt too long for the context is answered 400 at once."""
+    base = serve()
+    lock = serve.apps[-1].extensions["llamapack"].lock
+    with lock:
+        started = time.monotonic()
+        status, body, _ = raw(base, "/v1/completions", json.dumps({"prompt": "word " * 600}).encode())
+        assert status == 400 and "601 tokens" in body["error"]["message"]
+        status, body, _ = raw(base, "/v1/chat/completions", json.dumps(
+            {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}
+        ).encode())
+        assert status == 400 and "response_format" in body["error"]["message"]
+        assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("extra, field", [({"n": 2}, "n=1"), ({"best_of": 3}, "best_of=1"),
+                                          ({"frobnicate": True}, "'frobnicate' is not supported"),
+                                          ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+                                          ({"grammar": "root ::= ("}, "'grammar'"),
+                                          ({"temperature": float("nan")}, "'temperature'"),
+                                          ({"top_k": 2.5}, "'top_k'")])
+def test_unsupported_or_bad_fields_get_400_naming_them(serve, extra, field):
+    base = serve()
+    status, body, _ = raw(base, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, **extra}).encode())
+    assert status == 400 and field in body["error"]["message"], body
+
+
+def test_llama_cpp_parameters_reach_the_model(serve, llm):
+    api = client(serve())
+    greedy = dict(max_tokens=6, temperature=0)
+    plain = direct(llm, CHAT, **greedy)
+    assert not plain.lstrip().startswith("{")
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    for response_format in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}):
+        reply = served(api, CHAT, False, response_format=response_format, **greedy)
+        assert reply.lstrip().startswith("{"), reply
+    extra = dict(top_k=1, min_p=0.1, repeat_penalty=1.3)
+    assert served(api, "Once upon a time", False, **greedy, extra_body=extra) == \
+        direct(llm, "Once upon a time", **greedy, **extra)
+    result = api.completions.create(model=NAME, prompt="Once", max_tokens=10**6, temperature=0)
+    assert result.usage.completion_tokens <= 512  # capped by the context
+
+
+def test_idle_connections_take_no_threads(serve):
+    base = serve()
+    host, port = base.removeprefix("http://").split(":")
+    before = threading.active_count()
+    sockets = []
+    try:
+        for _ in range(50):  # half-sent requests: waitress keeps them on its event loop, not on threads
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            sockets.append(s)
+        time.sleep(0.5)
+        assert threading.active_count() == before
+        status, _, _ = raw(base, "/v1/models")
+        assert status == 200
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def embedder(model_path):
+    with open_model(str(model_path), pack=True, n_ctx=256, n_threads=2, verbose=False, embedding=True,
+                    pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN) as llm:
+        yield llm
+
+
+def test_embeddings(llm, embedder):
+    app = create_app(embedder, model_name=NAME)
+    server = make_server(app, "127.0.0.1", 0, queue_size=4, max_body_bytes=1 << 20)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        expected = embedder.create_embedding(["Hello there", "bye"])["data"]
+        result = client(base).embeddings.create(model="any", input=["Hello there", "bye"])  # base64 on the wire
+        assert [list(map(float, d.embedding)) for d in result.data] == \
+            [pytest.approx(e["embedding"], rel=0, abs=0) for e in expected]
+        status, body, _ = raw(base, "/v1/embeddings", json.dumps({"input": "Hello there"}).encode())
+        assert status == 200 and body["data"][0]["embedding"] == expected[0]["embedding"]
+        status, body, _ = raw(base, "/v1/embeddings", json.dumps({"input": ""}).encode())
+        assert status == 400 and "input 0 is empty" in body["error"]["message"]
+    finally:
+        server.close()
+        thread.join(10)
+    app = create_app(llm, model_name=NAME)  # loaded without embeddings: refused, naming the switch
+    with app.test_client() as http:
+        response = http.post("/v1/embeddings", json={"input": "Hi"})
+    assert response.status_code == 400 and "--embedding" in response.get_json()["error"]["message"]

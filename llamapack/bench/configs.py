@@ -28,7 +28,8 @@ class BenchConfig:
     keeps the model's router when the bench replays a routing trace (to compare with runs that cannot
     replay, such as vanilla llama.cpp's). ``prefetch``: router
     lookahead (pack modes). ``native_reads``: pack reads on the native read pool (True) or Python threads
-    (False); None: the provider's default. ``reference``: the run other runs' logits are compared with."""
+    (False); None: the provider's default. ``verify``: each pack block's sha256 checked on its first read (the
+    default; ``+noverify`` turns it off). ``reference``: the run other runs' logits are compared with."""
 
     name: str
     source: str = VANILLA
@@ -49,6 +50,7 @@ class BenchConfig:
     n_gpu_layers: int = 99
     reference: bool = False
     own_routing: bool = False
+    verify: bool = True
 
     def __post_init__(self):
         if self.source not in (VANILLA, PACK, GGUF_DIRECT):
@@ -57,6 +59,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
         if (self.prefetch or self.read_splits is not None or self.native_reads is not None) and self.source == VANILLA:
             raise ValueError(f"{self.name}: prefetch, read_splits and native_reads are llamapack settings")
+        if not self.verify and self.source != PACK:
+            raise ValueError(f"{self.name}: noverify (no sha256 check on first read) is a pack setting")
         if self.ram_auto and (self.ram_fraction is not None or self.source == VANILLA):
             raise ValueError(f"{self.name}: ram_auto (a RAM tier sized by the spare RAM) is a llamapack setting, "
                              "instead of ram_fraction")
@@ -155,10 +159,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
-                "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, "
+                "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, +noverify, "
                 "then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting)(?=\+|$)")
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify)(?=\+|$)")
 
 
 def parse_config(name: str, n_cores: int) -> BenchConfig:
@@ -193,6 +197,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["ram_preload"] = True
         elif option == "ownrouting":
             fields["own_routing"] = True
+        elif option == "noverify":
+            fields["verify"] = False
         elif option == "ram" or match["ram"]:
             fields["ram_fraction"] = float(match["ram"]) / 100 if match["ram"] else 1.0
         elif option.startswith("prefetch"):

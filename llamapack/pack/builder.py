@@ -2,8 +2,9 @@
 
 Streams: expert role slices are read from the GGUF with plain preads into a page-aligned gather
 buffer of several blocks, hashed per block on two threads and written with one large O_DIRECT
-pwrite on a third, while the next buffer is filled (three buffers in rotation). The pack is written
-under a temporary name in the target folder and renamed when complete; the manifest is written last.
+pwrite on a third, while the next buffer is filled (three buffers in rotation). The pack and its manifest
+are written under temporary names beside the output, under the writers' lock, and renamed into place when
+complete (publish.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .identity import SAMPLED, source_identity
 from .layout import HEADER_SIZE, PackLayout
 from .manifest import MANIFEST_SUFFIX, PACK_SUFFIX, Manifest, canonical_sha256, manifest_to_dict, write_manifest
 from .odirect import DirectFile, aligned_buffer
+from .publish import check_output, publish, remove_stale_temps, temp_path, writer_lock
 
 GATHER_BYTES = 32 << 20  # target size of one pwrite
 N_BUFFERS = 3
@@ -140,8 +142,11 @@ def _write_pack_file(model: GgufModel, path: str, manifest_stub: Manifest, direc
 
 def build_pack(gguf: str | os.PathLike | GgufModel, out: str | os.PathLike | None = None, *,
                safety_margin_mib: int = 1024, progress: bool = True, direct_io: bool = True,
-               fingerprint_mode: str = SAMPLED) -> BuildResult:
-    """Write ``out`` (default ``<stem>.expert-pack`` beside the GGUF) and ``out + ".manifest.json"``."""
+               fingerprint_mode: str = SAMPLED, force: bool = False) -> BuildResult:
+    """Write ``out`` (default ``<stem>.expert-pack`` beside the GGUF) and ``out + ".manifest.json"``.
+
+    Refused (PackIOError) while another build writes the same output, and for an output that would lose
+    data (publish.check_output; ``force`` allows replacing a regular file that is not a pack)."""
     model = gguf if isinstance(gguf, GgufModel) else open_gguf(gguf)
     layout = model.layout
     pack_path = os.path.abspath(os.fspath(out)) if out is not None else default_pack_path(model)
@@ -149,25 +154,22 @@ def build_pack(gguf: str | os.PathLike | GgufModel, out: str | os.PathLike | Non
     folder = os.path.dirname(pack_path)
     if not os.path.isdir(folder):
         raise PackIOError(f"output folder does not exist: {folder}")
-    check_free_space(folder, layout.pack_size + (1 << 20), safety_margin_mib << 20)
-    stub = Manifest(layout, (), os.path.basename(pack_path), model.hparams_sha256,
-                    source_identity(model.paths, fingerprint_mode))
-    tmp_path = os.path.join(folder, f".{stub.pack_file}.tmp-{os.getpid()}")
+    pack_tmp, manifest_tmp = temp_path(pack_path), temp_path(manifest_path)
     try:
-        try:
-            manifest, seconds = _write_pack_file(model, tmp_path, stub, direct_io, progress)
-            if os.path.exists(manifest_path):
-                os.unlink(manifest_path)  # never leave an old manifest beside the new pack
-            os.replace(tmp_path, pack_path)
-        finally:
-            if os.path.exists(tmp_path):
-                os.unlink(tmp_path)
-        write_manifest(manifest_path, manifest)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        with writer_lock(pack_path):
+            check_output(pack_path, model.paths, force)
+            remove_stale_temps(pack_path)
+            check_free_space(folder, layout.pack_size + (1 << 20), safety_margin_mib << 20)
+            stub = Manifest(layout, (), os.path.basename(pack_path), model.hparams_sha256,
+                            source_identity(model.paths, fingerprint_mode))
+            try:
+                manifest, seconds = _write_pack_file(model, pack_tmp, stub, direct_io, progress)
+                write_manifest(manifest_tmp, manifest)
+                publish(pack_tmp, pack_path, manifest_tmp, manifest_path)
+            finally:
+                for tmp in (pack_tmp, manifest_tmp):
+                    if os.path.lexists(tmp):
+                        os.unlink(tmp)
     except OSError as exc:
         raise PackIOError(f"writing {pack_path} failed: {exc}") from None
     return BuildResult(pack_path, manifest_path, manifest, seconds)

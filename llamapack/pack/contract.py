@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import datetime, timezone
 
 from llamapack.errors import ModelMismatchError
 
@@ -17,11 +18,14 @@ def _mismatch(field: str, pack_value, model_value, where: str = "") -> ModelMism
     )
 
 
-def check_manifest_matches_model(manifest: Manifest, model: GgufModel, *, check_source: bool = True) -> None:
+def check_manifest_matches_model(manifest: Manifest, model: GgufModel, *, check_source: bool = True,
+                                 pack_path: str = "PACK") -> None:
     """Layers, experts, role types/shapes/offsets, stride, hyperparameters and source files.
 
-    With ``check_source`` the source files' sizes, and for ``sampled-v1`` manifests their sampled
-    fingerprints (a few MiB of reads), must match too.
+    With ``check_source`` the source files' sizes, modification times (when the manifest records them), and
+    for ``sampled-v1`` manifests their sampled fingerprints (a few MiB of reads), must match too: a source
+    changed since packing is refused with the commands that re-pack it or verify and re-record it
+    (``pack_path`` is named in them).
     """
     ours, theirs = manifest.layout, model.layout
     if ours.moe_layers != theirs.moe_layers:
@@ -44,16 +48,31 @@ def check_manifest_matches_model(manifest: Manifest, model: GgufModel, *, check_
     if manifest.hparams_sha256 != model.hparams_sha256:
         raise _mismatch("hyperparameter hash", manifest.hparams_sha256[:16], model.hparams_sha256[:16])
     if check_source:
-        _check_source(manifest, model)
+        _check_source(manifest, model, pack_path)
 
 
-def _check_source(manifest: Manifest, model: GgufModel) -> None:
+def _check_source(manifest: Manifest, model: GgufModel, pack_path: str) -> None:
     files = manifest.source.files
     if len(files) != len(model.paths):
         raise _mismatch("source file count", len(files), len(model.paths))
+    model_path = model.paths[0]
+    repack = f"build the pack again: `llamapack pack {model_path} -o {pack_path}`"
     for recorded, path in zip(files, model.paths):
-        where = f" (source file {os.path.basename(path)})"
-        if recorded.size != os.path.getsize(path):
-            raise _mismatch("file size", recorded.size, os.path.getsize(path), where)
-        if manifest.source.fingerprint_mode == SAMPLED and recorded.fingerprint != file_fingerprint(path, SAMPLED):
-            raise _mismatch("sampled fingerprint", recorded.fingerprint[:16], "a different value", where)
+        st = os.stat(path)
+        if recorded.size != st.st_size:
+            changed = f"its size is {st.st_size} bytes, the pack was built from {recorded.size}"
+        elif manifest.source.fingerprint_mode == SAMPLED and recorded.fingerprint != file_fingerprint(path, SAMPLED):
+            changed = "its sampled fingerprint differs from the one recorded"
+        elif recorded.mtime_ns is not None and recorded.mtime_ns != st.st_mtime_ns:
+            raise ModelMismatchError(
+                f"the model may have changed since the pack was built: {path} was modified at "
+                f"{_when(st.st_mtime_ns)}, the pack was built from the file of {_when(recorded.mtime_ns)}. Either "
+                f"{repack}; or, if it holds the same experts (a copy, a touched file), check every block against it "
+                f"and record it: `llamapack verify {pack_path} --against {model_path} --update-source`")
+        else:
+            continue
+        raise ModelMismatchError(f"the model changed since the pack was built: {path}: {changed}; {repack}")
+
+
+def _when(mtime_ns: int) -> str:
+    return datetime.fromtimestamp(mtime_ns / 1e9, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")

@@ -56,5 +56,6 @@ def check_header(header: PackHeader, layout: PackLayout, manifest_sha256: bytes,
         if getattr(header, name) != getattr(expected, name):
             raise ModelMismatchError(
                 f"{path} does not belong to this manifest: header {name} differs "
-                "(pack and manifest come from different builds, or the manifest was edited)"
+                "(pack and manifest come from different builds, or the manifest was edited); build the pack again "
+                "with `llamapack pack`"
             )

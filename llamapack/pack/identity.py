@@ -42,6 +42,7 @@ class SourceFile:
     name: str
     size: int
     fingerprint: str
+    mtime_ns: int | None = None  # st_mtime_ns when packed (None: a manifest from before it was recorded)
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,15 @@ def file_fingerprint(path: str, mode: str = SAMPLED) -> str:
         raise PackIOError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def source_file(path: str, mode: str = SAMPLED) -> SourceFile:
+    """Name, size, mtime (taken first: a change while fingerprinting shows as a changed file later) and
+    fingerprint of ``path``."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise PackIOError(f"cannot read {path}: {exc.strerror}") from None
+    return SourceFile(os.path.basename(path), st.st_size, file_fingerprint(path, mode), st.st_mtime_ns)
+
+
 def source_identity(paths: Iterable[str], mode: str = SAMPLED) -> SourceIdentity:
-    files = tuple(
-        SourceFile(os.path.basename(p), os.path.getsize(p), file_fingerprint(p, mode)) for p in paths
-    )
-    return SourceIdentity(mode, files)
+    return SourceIdentity(mode, tuple(source_file(p, mode) for p in paths))

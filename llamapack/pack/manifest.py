@@ -7,13 +7,14 @@ Schema (all offsets/sizes in bytes)::
      "pack_file": "<name>.expert-pack", "pack_size": data_start + n_layers * E * S,
      "hparams_sha256": "<hex>", "hparams_hash_mode": "gguf-kv-v1",
      "source": {"fingerprint_mode": "sampled-v1" | "sha256",
-                "files": [{"name": "...gguf", "size": N, "fingerprint": "<hex>"}]},
+                "files": [{"name": "...gguf", "size": N, "fingerprint": "<hex>", "mtime_ns": T}]},
      "layers": [{"layer": L,
                  "roles": [{"role": "gate", "offset": 0, "nbytes": N, "ggml_type": "Q4_K",
                             "ggml_type_id": 12, "ne": [ne0, ne1, E]}, ...],
                  "block_sha256": ["<hex>" x E]}, ...]}
 
 Roles appear in block order (gate_up, gate, up, down); ``ne`` is the whole tensor's ggml shape.
+``mtime_ns`` (the source's st_mtime_ns when packed) is optional: manifests written before it lack it.
 
 ``parse_manifest`` accepts any JSON value and either returns a ``Manifest`` or raises
 ``PackFormatError``. The pack header stores ``manifest_sha256`` (canonical JSON) so a pack and a
@@ -71,7 +72,8 @@ def manifest_to_dict(m: Manifest) -> dict:
         "hparams_hash_mode": HPARAMS_HASH_MODE,
         "source": {
             "fingerprint_mode": m.source.fingerprint_mode,
-            "files": [{"name": f.name, "size": f.size, "fingerprint": f.fingerprint} for f in m.source.files],
+            "files": [{"name": f.name, "size": f.size, "fingerprint": f.fingerprint,
+                       **({} if f.mtime_ns is None else {"mtime_ns": f.mtime_ns})} for f in m.source.files],
         },
         "layers": [
             {
@@ -89,6 +91,14 @@ def manifest_to_dict(m: Manifest) -> dict:
 
 
 def canonical_sha256(obj: dict) -> bytes:
+    """sha256 of the canonical JSON of ``obj`` less the source files' ``mtime_ns`` (so that ``verify --against
+    --update-source`` can re-record a source without rewriting the pack header; manifests without it hash
+    as before)."""
+    source = obj.get("source")
+    if isinstance(source, dict) and isinstance(source.get("files"), list):
+        files = [{k: v for k, v in f.items() if k != "mtime_ns"} if isinstance(f, dict) else f
+                 for f in source["files"]]
+        obj = {**obj, "source": {**source, "files": files}}
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode("ascii")).digest()
 
@@ -146,8 +156,9 @@ def _source(obj: object) -> SourceIdentity:
     files = []
     for i, f in enumerate(_field(obj, "files", list, "source.")):
         where = f"source.files[{i}]."
+        mtime_ns = _field(f, "mtime_ns", int, where) if isinstance(f, dict) and "mtime_ns" in f else None
         files.append(SourceFile(_field(f, "name", str, where), _field(f, "size", int, where),
-                                _hex(_field(f, "fingerprint", str, where), f"{where}fingerprint")))
+                                _hex(_field(f, "fingerprint", str, where), f"{where}fingerprint"), mtime_ns))
     if not files:
         raise PackFormatError("manifest: source.files is empty")
     return SourceIdentity(mode, tuple(files))
@@ -197,17 +208,12 @@ def load_manifest(path: str) -> tuple[Manifest, bytes]:
 
 
 def write_manifest(path: str, manifest: Manifest) -> bytes:
-    """Write atomically (temp file + rename); returns the canonical sha256."""
+    """Write the manifest to ``path`` and fsync it (the builder writes a temporary name and renames it, see
+    publish); returns the canonical sha256."""
     obj = manifest_to_dict(manifest)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="ascii") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(path, "w", encoding="ascii") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
     return canonical_sha256(obj)

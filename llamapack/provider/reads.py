@@ -50,6 +50,7 @@ class PackSource:
         self.reader, self.layout = reader, reader.layout
         self.paths = (reader.pack_path,)
         self.verify_sha256 = verify_sha256
+        self._checked: set[tuple[int, int]] = set()  # blocks whose sha256 passed (set.add is atomic)
         self._open_args = dict(direct_io=direct_io, read_fn=read_fn)
         stride = self.layout.expert_stride
         chunk = align_up(-(-stride // splits))
@@ -63,10 +64,16 @@ class PackSource:
         offset = self.layout.block_offset(layer, expert) + start
         handle.read_into(block[start:end], offset, where=f"layer {layer} expert {expert}")
 
+    def needs_check(self, layer: int, expert: int) -> bool:
+        """Whether a read of this block is still to be checked: verifying, and not checked in this process yet."""
+        return self.verify_sha256 and (layer, expert) not in self._checked
+
     def check(self, layer: int, expert: int, block: np.ndarray) -> None:
-        """IntegrityError naming the layer and expert when the block fails its manifest sha256."""
-        if self.verify_sha256:
-            self.reader.check_block(layer, expert, block)
+        """IntegrityError naming the layer and expert when the block fails its manifest sha256; a block that
+        passed once is not hashed again (the first read of each block in the process is checked)."""
+        if self.needs_check(layer, expert):
+            self.reader.check_block(layer, expert, block[:self.layout.expert_stride])
+            self._checked.add((layer, expert))
 
     def read_nbytes(self, layer: int, expert: int) -> int:
         return self.layout.expert_stride
@@ -93,6 +100,9 @@ class GgufSource:
     def read(self, handle: GgufDirectReader, layer: int, expert: int, block: np.ndarray, start: int,
              end: int) -> None:
         handle.read_expert(layer, expert, block)
+
+    def needs_check(self, layer: int, expert: int) -> bool:
+        return False
 
     def check(self, layer: int, expert: int, block: np.ndarray) -> None:
         """No hashes without a manifest."""
@@ -234,6 +244,22 @@ class ReadPool:
             self._handles.pop().close()
 
 
+class BlockCheck:
+    """One block's read in pieces on read threads; the thread that reads the last piece checks the block."""
+
+    def __init__(self, source, key: tuple[int, int], target: np.ndarray, n_pieces: int):
+        self.source, self.key, self.target = source, key, target
+        self._left, self._lock = n_pieces, threading.Lock()
+
+    def read(self, handle, start: int, end: int) -> None:
+        self.source.read(handle, *self.key, self.target, start, end)
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.source.check(*self.key, self.target)
+
+
 class ThreadReads:
     """A source's reads on a ReadPool of Python threads: ``start`` queues a read's pieces (futures)."""
 
@@ -242,9 +268,14 @@ class ThreadReads:
         self._pool = ReadPool(source.open_handle, n_threads, max_prefetch)
 
     def start(self, key: tuple[int, int], target: np.ndarray, spans, prefetch: bool = False) -> list[Future]:
-        """Queue the pieces ``spans`` ((start, end) in the block) of block ``key``'s read into ``target``."""
+        """Queue the pieces ``spans`` ((start, end) in the block) of block ``key``'s read into ``target``. A
+        block still to be checked is hashed by the read thread that reads its last piece (hashlib releases the
+        GIL: the compute thread does not wait on it), whose future then carries a failed check."""
         submit = self._pool.submit_prefetch if prefetch else self._pool.submit
-        return [submit(self.source.read, *key, target, start, end) for start, end in spans]
+        if not self.source.needs_check(*key):
+            return [submit(self.source.read, *key, target, start, end) for start, end in spans]
+        check = BlockCheck(self.source, key, target, len(spans))
+        return [submit(check.read, start, end) for start, end in spans]
 
     def promote(self, piece: Future) -> bool:
         return self._pool.promote(piece)

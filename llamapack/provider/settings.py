@@ -1,6 +1,7 @@
 """Settings of the streaming provider and the slot budget they give."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import CapacityError
@@ -19,8 +20,9 @@ class StreamingSettings:
     expert reads in flight; ``read_splits`` splits each pack read into that many parallel sub-reads (pack
     mode only: a GGUF-direct expert is read by one reader, role after role). ``direct_io=False`` reads
     through the page cache (for filesystems without O_DIRECT). ``stats_path``: a JSON file of the counters,
-    rewritten every ``stats_flush_interval`` acquires. ``verify_pack_sha256``: check every block read
-    against the manifest (pack mode only). ``read_timeout_s``: a read that has not finished by then fails
+    rewritten every ``stats_flush_interval`` acquires. ``verify_pack_sha256``: check each block against its
+    manifest sha256 the first time it is read in the process (pack mode only; on Python read threads the read
+    thread hashes it, on the native pool the compute thread). ``read_timeout_s``: a read that has not finished by then fails
     the decode (None: wait forever). ``ram_cache_mib``: a host-RAM tier of that many MiB (pinned for a GPU
     pool) holding whole expert blocks between the SSD and the pool (None: no tier; "auto": half the RAM
     still available to the process, its cgroup's limit included, or no tier when that holds too little; see
@@ -51,7 +53,7 @@ class StreamingSettings:
     direct_io: bool = True
     stats_path: str | None = None
     stats_flush_interval: int = 256
-    verify_pack_sha256: bool = False
+    verify_pack_sha256: bool = True
     n_slots: int | None = None
     read_timeout_s: float | None = 60.0
     ram_cache_mib: float | str | None = None
@@ -72,38 +74,40 @@ class StreamingSettings:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if not 1 <= self.prefetch_depth <= MAX_LOOKAHEAD:
             raise ValueError(f"prefetch_depth must be in [1, {MAX_LOOKAHEAD}] (got {self.prefetch_depth})")
-        if self.cache_vram_mib is not None and self.cache_vram_mib <= 0:
-            raise ValueError(f"cache_vram_mib must be > 0 (got {self.cache_vram_mib})")
+        if self.cache_vram_mib is not None and not (self.cache_vram_mib > 0 and math.isfinite(self.cache_vram_mib)):
+            raise ValueError(f"cache_vram_mib must be a finite number > 0 (got {self.cache_vram_mib})")
         if self.ram_cache_mib is not None and self.ram_cache_mib != "auto" and not (
                 isinstance(self.ram_cache_mib, (int, float)) and 0 < self.ram_cache_mib < float("inf")):
             raise ValueError(f'ram_cache_mib must be > 0, "auto" or None (got {self.ram_cache_mib!r})')
         if self.ram_preload and self.ram_cache_mib is None:
             raise ValueError("ram_preload fills the RAM tier: it needs ram_cache_mib (a size or \"auto\")")
-        if self.read_timeout_s is not None and self.read_timeout_s <= 0:
+        if self.read_timeout_s is not None and not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s must be > 0 or None (got {self.read_timeout_s})")
-        if self.cache_vram_reserve_mib < 0:
-            raise ValueError(f"cache_vram_reserve_mib must be >= 0 (got {self.cache_vram_reserve_mib})")
+        if not (self.cache_vram_reserve_mib >= 0 and math.isfinite(self.cache_vram_reserve_mib)):
+            raise ValueError(f"cache_vram_reserve_mib must be a finite number >= 0 (got {self.cache_vram_reserve_mib})")
 
 
 def slot_budget(settings: StreamingSettings, slot_bytes: int, n_expert: int, n_moe_layers: int,
-                n_expert_used: int, n_ubatch: int, free_vram: int | None = None) -> int:
+                n_expert_used: int, n_ubatch: int, free_vram: int | None = None, free_ram: int | None = None) -> int:
     """The pool's slot count: ``floor(min(requested, free - reserve) / slot_bytes)``.
 
     ``free_vram`` is None for a host pool (then: the request, or one layer's experts). Never more slots than
     experts in the model. Raises CapacityError when the slots cannot hold the distinct experts one ubatch of
-    one layer may use, ``min(n_expert, n_expert_used * n_ubatch)``.
+    one layer may use, ``min(n_expert, n_expert_used * n_ubatch)``, or when the pool does not fit the memory
+    free now (``free_vram``, or ``free_ram`` for a host pool; None: not checked), before anything is allocated.
     """
     requested = None if settings.cache_vram_mib is None else int(settings.cache_vram_mib * MIB)
+    total = n_expert * n_moe_layers
     if settings.n_slots is not None:
-        slots, basis = settings.n_slots, f"n_slots={settings.n_slots}"
+        slots, basis = min(settings.n_slots, total), f"n_slots={settings.n_slots}"
     elif free_vram is not None:
         usable = free_vram - int(settings.cache_vram_reserve_mib * MIB)
         budget = usable if requested is None else min(requested, usable)
-        slots = min(max(budget, 0) // slot_bytes, n_expert * n_moe_layers)
+        slots = min(max(budget, 0) // slot_bytes, total)
         basis = (f"{free_vram / MIB:.0f} MiB VRAM free - {settings.cache_vram_reserve_mib:g} MiB reserve"
                  + ("" if requested is None else f", cache_vram_mib={settings.cache_vram_mib:g}"))
     elif requested is not None:
-        slots = min(requested // slot_bytes, n_expert * n_moe_layers)
+        slots = min(requested // slot_bytes, total)
         basis = f"cache_vram_mib={settings.cache_vram_mib:g}"
     else:
         slots, basis = n_expert, "one layer's experts"
@@ -113,4 +117,10 @@ def slot_budget(settings: StreamingSettings, slot_bytes: int, n_expert: int, n_m
             f"the expert cache holds {slots} experts ({basis}; {slot_bytes / MIB:.2f} MiB per expert) but one "
             f"ubatch of {n_ubatch} tokens may use {needed} experts of one layer ({needed * slot_bytes / MIB:.2f} "
             "MiB); raise the budget or lower n_ubatch")
+    free, where = (free_vram, "VRAM") if free_vram is not None else (free_ram, "RAM")
+    if free is not None and slots * slot_bytes > free:
+        raise CapacityError(
+            f"the expert cache of {slots} experts ({basis}; {slot_bytes / MIB:.2f} MiB per expert) needs "
+            f"{slots * slot_bytes / MIB:.0f} MiB but {free / MIB:.0f} MiB of {where} is free; lower the cache "
+            "size (--cache-slots, --cache-vram-mib)")
     return slots

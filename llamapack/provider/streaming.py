@@ -96,7 +96,8 @@ class StreamingProvider:
             loaded_layers = sorted({t.layer for t in self.tensors})  # the source may hold more (deepseek4 MTP)
             self.n_slots = slot_budget(
                 settings, SlotLayout.from_tensors(self.tensors, 1).slot_bytes, pack_layout.num_experts,
-                len(loaded_layers), n_expert_used, n_ubatch, free_vram(device) if device >= 0 else None)
+                len(loaded_layers), n_expert_used, n_ubatch, free_vram(device) if device >= 0 else None,
+                spare_ram_bytes() if device < 0 else None)
             self.layout = SlotLayout.from_tensors(self.tensors, self.n_slots)
             self.policy = DEFAULT_POLICY(self.n_slots)
             self.flusher = StatsFlusher(self.counters, settings.stats_path, settings.stats_flush_interval)

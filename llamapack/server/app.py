@@ -5,24 +5,32 @@ once (the one generating plus those waiting for it), one more is answered 429 wi
 streamed request holds its admission until its response is closed: finished, failed, or its client gone
 (the WSGI server closes the response iterable, which runs the stream's ``finally``).
 
+A request is checked before it is admitted: its body size (``max_body_bytes``, else 413), its fields
+(params.py: forwarded to llama_cpp, or 400 naming the field) and its prompt, tokenized (empty, not UTF-8 or
+longer than the context: 400), so a bad request never waits for the generation. Any model name is accepted:
+the one model answers (as llama-server does), so clients configured for another name work.
+``/v1/embeddings`` answers when the model was loaded with ``embedding=True`` (``serve --embedding``).
+
 Errors use OpenAI's shape ``{"error": {"message", "type", "code"}}``, status chosen by exception type.
 ``/stats`` gives the pack counters and the last request's rates; ``/`` is a chat page (static/index.html).
 """
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
 import os
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from ..errors import CapacityError, LlamapackError, NativeError, PackIOError
-from ..run import RunStats, Runner
+from ..errors import CapacityError, InputError, LlamapackError, NativeError, PackIOError
+from ..run import RunStats, Runner, check_prompt, utf8
+from .params import request_kwargs
 
 
 class ApiError(LlamapackError):
@@ -37,10 +45,6 @@ class AuthenticationError(ApiError):
     """Missing or wrong API key."""
 
 
-class ModelNotFoundError(ApiError):
-    """A model name other than the one served."""
-
-
 class QueueFullError(ApiError):
     """Every admission slot is taken."""
 
@@ -49,7 +53,7 @@ class QueueFullError(ApiError):
 ERRORS = {
     BadRequestError: (400, "invalid_request_error", None),
     AuthenticationError: (401, "invalid_request_error", "invalid_api_key"),
-    ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
+    InputError: (400, "invalid_request_error", None),
     QueueFullError: (429, "rate_limit_error", "queue_full"),
     CapacityError: (503, "server_error", "capacity"),
     PackIOError: (500, "server_error", "pack_io_error"),
@@ -57,6 +61,7 @@ ERRORS = {
     LlamapackError: (500, "server_error", None),
 }
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 8 << 20  # a larger request body is answered 413 before it is read
 
 
 def error_body(exc: BaseException) -> tuple[dict, int]:
@@ -85,12 +90,17 @@ class ServerState:
         self.admitted = threading.BoundedSemaphore(self.queue_size)
 
 
-def create_app(llm, *, api_key: str | None = None, queue_size: int = 4, model_name: str | None = None) -> Flask:
+def create_app(llm, *, api_key: str | None = None, queue_size: int = 4, model_name: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Flask:
     """A Flask app serving ``llm``: OpenAI routes under ``/v1``, ``/stats``, a chat page at ``/``. With
-    ``api_key`` every route but the page and its static files wants ``Authorization: Bearer <api_key>``."""
+    ``api_key`` every route but the page and its static files wants ``Authorization: Bearer <api_key>``.
+    Requests may name any model (clients configured for another name still work): the one model answers."""
     if queue_size < 1:
         raise LlamapackError(f"queue_size must be at least 1, not {queue_size}")
+    if api_key is not None and not api_key.strip():
+        raise LlamapackError("the API key is empty: give a non-empty key, or none to serve without one")
     app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     state = ServerState(llm, model_name or os.path.basename(llm.model_path), api_key, queue_size)
     app.extensions["llamapack"] = state
 
@@ -125,32 +135,34 @@ def create_app(llm, *, api_key: str | None = None, queue_size: int = 4, model_na
         return jsonify({"object": "list", "data": [model_card()]})
 
     @app.get("/v1/models/<path:name>")
-    def model(name):
-        if name != state.model_name:
-            raise ModelNotFoundError(f"model {name!r} not found (this server serves {state.model_name!r})")
+    def model(name):  # any name: the one model served
         return jsonify(model_card())
 
     @app.post("/v1/completions")
     def completions():
-        body = request_json(state)
+        body = request_json()
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise BadRequestError("'prompt' must be a string")
-        return generate(state, lambda llm, **kw: llm.create_completion(prompt, **kw), body)
+        check_prompt(state.llm, prompt)  # before the request is queued: a bad one never waits for the lock
+        return generate(state, lambda llm, **kw: llm.create_completion(prompt, **kw), body, chat=False)
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        body = request_json(state)
+        body = request_json()
         messages = body.get("messages")
         if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str)
                 for m in messages)):
             raise BadRequestError("'messages' must be a non-empty list of {role, content} objects")
-        if "max_completion_tokens" in body and "max_tokens" not in body:
-            body["max_tokens"] = body["max_completion_tokens"]
-        return generate(state, lambda llm, **kw: llm.create_chat_completion(messages, **kw), body)
+        check_messages(state.llm, messages)
+        return generate(state, lambda llm, **kw: llm.create_chat_completion(messages, **kw), body, chat=True)
+
+    @app.post("/v1/embeddings")
+    def embeddings():
+        return jsonify(embed(state, request_json()))
 
     @app.get("/stats")
     def stats():
@@ -165,54 +177,76 @@ def create_app(llm, *, api_key: str | None = None, queue_size: int = 4, model_na
     return app
 
 
-def request_json(state: ServerState) -> dict:
+def request_json() -> dict:
+    request.get_data()  # a body over the limit is answered 413 here (get_json(silent=True) would hide it)
     body = request.get_json(force=True, silent=True)
     if not isinstance(body, dict):
         raise BadRequestError("the request body must be a JSON object")
-    name = body.get("model")
-    if name is not None and name != state.model_name:
-        raise ModelNotFoundError(f"model {name!r} not found (this server serves {state.model_name!r})")
     return body
 
 
-def sampling(body: dict) -> dict:
-    """llama_cpp keyword arguments from the OpenAI fields present in ``body`` (absent: llama_cpp's defaults)."""
-    def number(name, lo, hi, kind=(int, float)):
-        value = body.get(name)
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, kind) or not lo <= value <= hi:
-            raise BadRequestError(f"'{name}' must be a number in [{lo}, {hi}]")
-        out[name] = value
-
-    out = {}
-    number("max_tokens", 1, 1 << 31, int)
-    number("temperature", 0, 2)
-    number("top_p", 0, 1)
-    number("seed", 0, 1 << 63, int)
-    stop = body.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise BadRequestError("'stop' must be a string or a list of strings")
-        out["stop"] = stop
-    if body.get("n", 1) != 1:
-        raise BadRequestError("only n=1 is supported")
-    return out
+def check_messages(llm, messages: list[dict]) -> None:
+    """InputError for a message that is not UTF-8, or contents that alone fill the context (the chat template
+    adds more; what still does not fit is refused when the prompt is built)."""
+    n = 0
+    for i, message in enumerate(messages):
+        content = utf8(message.get("content") or "", f"message {i + 1} ({message['role']})")
+        n += len(llm.tokenize(content, add_bos=False, special=True)) if content else 0
+    if n >= llm.n_ctx():
+        raise InputError(f"the messages are {n} tokens; the context holds {llm.n_ctx()} for them and the reply")
 
 
-def generate(state: ServerState, create, body: dict):
+@contextmanager
+def admission(state: ServerState):
+    """Admitted (else QueueFullError, 429) and holding the generation lock, until the block ends."""
+    if not state.admitted.acquire(blocking=False):
+        raise QueueFullError(f"the server is busy ({state.queue_size} requests admitted); retry later")
+    try:
+        with state.lock:
+            yield
+    finally:
+        state.admitted.release()
+
+
+def embed(state: ServerState, body: dict) -> dict:
+    """OpenAI's embeddings response for ``body`` (``input``: a string or a list of them)."""
+    if not state.llm.context_params.embeddings:
+        raise BadRequestError("this server computes no embeddings: start it with --embedding (embedding=True)")
+    unknown = set(body) - {"input", "model", "encoding_format", "user"}
+    if unknown:
+        raise BadRequestError(f"'{sorted(unknown)[0]}' is not supported by /v1/embeddings")
+    inputs = [body.get("input")] if isinstance(body.get("input"), str) else body.get("input")
+    if not (isinstance(inputs, list) and inputs and all(isinstance(text, str) for text in inputs)):
+        raise BadRequestError("'input' must be a string or a non-empty list of strings")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise BadRequestError("'encoding_format' must be \"float\" or \"base64\"")
+    for i, text in enumerate(inputs):
+        check_prompt(state.llm, text, f"input {i}")
+    with admission(state):
+        try:
+            result = state.llm.create_embedding(inputs, model=state.model_name)
+        except ValueError as exc:  # llama_cpp: an input longer than a batch
+            raise BadRequestError(str(exc)) from None
+    if encoding == "base64":
+        import numpy as np  # here: numpy must not load before llama_cpp (run.py)
+
+        for item in result["data"]:
+            vector = np.asarray(item["embedding"], dtype="<f4")
+            if vector.ndim != 1:
+                raise BadRequestError("the model gives one embedding per token (no pooling): ask for \"float\"")
+            item["embedding"] = base64.b64encode(vector.tobytes()).decode("ascii")
+    return result
+
+
+def generate(state: ServerState, create, body: dict, chat: bool):
     """Run ``create(llm, **kwargs)`` for one admitted request; a JSON response, or an SSE stream."""
-    kwargs = sampling(body)
+    kwargs = request_kwargs(state.llm, body, chat)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequestError("'stream' must be true or false")
-    if not state.admitted.acquire(blocking=False):
-        raise QueueFullError(f"the server is busy ({state.queue_size} requests admitted); retry later")
     with ExitStack() as done:  # undone in reverse: stream closed, timing stopped, stats kept, lock, admission
-        done.callback(state.admitted.release)
-        state.lock.acquire()
-        done.callback(state.lock.release)
+        done.enter_context(admission(state))
         runner = Runner(state.llm)
         done.callback(record, state, runner)
         done.enter_context(runner.timed())
