@@ -16,6 +16,8 @@
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round5", ...)  # #9 fifth round: see below
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round6", ...)  # #9 sixth round: see below
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round7", ...)  # #9 seventh round: see below
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh replay", ...)  # #22: see below;
+#   then bench with ROUTING=<trace.npz> (the llamapack runs replay it) and UPSTREAM=1 (upstream b11549 runs)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -110,6 +112,17 @@ round7)  # #9, seventh round: build, CUDA bit-exact with the RAM tier preloaded 
     bitexact cuda_bitexact_ramtier_preload.json --ram-cache-mib 13 --ram-preload
     wait_for_model
     ;;
+replay)  # #22: build (patched + vanilla CUDA, then upstream llama.cpp b11549 from .devtree/upstream), the
+        # Qwen3-30B-A3B-shaped model and the granite-shaped one (F16 experts, the real trace's shape) with packs
+    start_model "${SKEW:-0}"
+    (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
+        && lp pack "$work/granite.gguf" -q >> "$out/granite.log" 2>&1; echo "granite rc $?" >> "$out/granite.log") &
+    (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1; \
+        echo "upstream rc $?" >> "$out/upstream_build.out") &
+    build_cuda
+    [ -n "${SKIP_BITEXACT:-}" ] || bitexact cuda_bitexact_policy.json --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny
+    wait; tail -2 "$out/granite.log"; tail -3 "$out/synth.log"; tail -3 "$out/upstream_build.out"
+    ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
     results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
@@ -119,6 +132,6 @@ bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after 
         ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} \
         ${PREFETCH_IN_FLIGHT:+--prefetch-in-flight $PREFETCH_IN_FLIGHT} ${RAM_FRACTIONS:+--ram-fractions $RAM_FRACTIONS} \
         ${READ_ENGINES:+--read-engines} ${ROUNDS:+--rounds $ROUNDS} ${SHUFFLE_SEED:+--shuffle-seed $SHUFFLE_SEED} \
-        ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${ROUTING:+--routing $ROUTING} ${UPSTREAM:+--upstream-bin ${UPSTREAM_BIN:-/tmp/upstream/build/bin}} ${CONFIGS:+--configs $CONFIGS} 2>&1
     ;;
 esac

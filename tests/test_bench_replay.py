@@ -118,3 +118,27 @@ def test_prefetch_cannot_replay(tmp_path):
                                "--routing", str(tmp_path / trace), "--configs", configs],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_upstream_runs_join_the_report(tmp_path):
+    """An upstream run (batched-bench's shape, from upstream.to_run) sits in the same tables: no bit-exact
+    column, and the decode ratios of every other run against it."""
+    from llamapack.bench.report import markdown, summaries
+
+    def request(n_prompt, decode_s):
+        return dict(n_prompt=n_prompt, prefill_s=0.5, ttft_s=0.5, n_decoded=100, decode_s=decode_s, tokens=[],
+                    digests=[], prefill_counters={}, decode_counters={})
+
+    results = dict(command="c", machine={}, workload=dict(prompt_lengths=[512], n_decode=101, decode_cap_s=20,
+                                                          n_ubatch=512, temperature=0),
+                   model=dict(path="m.gguf", size_bytes=1, expert_bytes=1, n_moe_layers=1, n_expert=8, expert_stride=1),
+                   runs=[dict(config=dict(name="vanilla-vram", reference=True), requests=[request(512, 1.0)]),
+                         dict(config=dict(name="pack-25%+ram"), requests=[request(512, 2.0)], routing="replayed"),
+                         dict(config=dict(name="upstream-cache-25%", source="upstream"), requests=[request(512, 4.0)],
+                              routing="replayed")])
+    rows = {row.name: row for row in summaries(results)}
+    assert rows["upstream-cache-25%"].bit_exact == "n/a (replayed routing)"
+    results["runs"][2]["routing"] = "own"
+    assert summaries(results)[2].bit_exact == "n/a (upstream: no logits)"
+    text = markdown(results)
+    assert "| pack-25%+ram | 2.00x |" in text and "| vanilla-vram | 4.00x |" in text

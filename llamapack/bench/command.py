@@ -29,6 +29,21 @@ def has_gpu() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
+def upstream_configs(model: str, pack: str | None, fractions) -> tuple:
+    """Upstream's runs: -cmoe (experts in pinned RAM, CPU compute), then its VRAM cache at each pack fraction's
+    VRAM (the pool's slots x the pack's block stride), same RAM-rich setting."""
+    from ..pack import open_gguf
+    from .upstream import UpstreamConfig, cache_mib_for_slots
+
+    layout = open_gguf(model).layout
+    configs = [UpstreamConfig("upstream-cmoe", n_threads=os.cpu_count() or 1)]
+    for fraction in fractions:
+        slots = max(1, round(fraction * layout.num_blocks))
+        configs.append(UpstreamConfig(f"upstream-cache-{100 * fraction:g}%", n_threads=os.cpu_count() or 1,
+                                      cache_mib=cache_mib_for_slots(slots, layout.expert_stride)))
+    return tuple(configs)
+
+
 @click.command("bench")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--pack", "pack", type=click.Path(dir_okay=False), help="Expert pack (default: beside MODEL).")
@@ -72,11 +87,14 @@ def has_gpu() -> bool:
 @click.option("--routing", type=click.Path(exists=True, dir_okay=False),
               help="Replay this routing trace (.npz, `llamapack trace`) in the llamapack runs instead of the model's "
                    "router (a model of the trace's shape; no bit-exact column; vanilla runs keep their own routing).")
+@click.option("--upstream-bin", type=click.Path(file_okay=False),
+              help="Folder of upstream llama.cpp's llama-batched-bench (bench/upstream_build.sh): adds its -cmoe run and "
+                   "its --moe-cache-mib runs at the VRAM of each pack fraction, RAM-rich (experts in pinned RAM).")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, rounds, shuffle_seed, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
                   prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, routing,
-                  list_only) -> None:
+                  upstream_bin, list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
                             gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch,
@@ -95,6 +113,7 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, roun
                      prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
                      temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
                      vanilla_lib=vanilla_lib, patched_lib=patched_lib, rounds=rounds, shuffle_seed=shuffle_seed,
-                     routing=routing, command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
+                     routing=routing, upstream_bin=upstream_bin,
+                     upstream_configs=upstream_configs(model, pack, fractions) if upstream_bin else (), command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
     run_bench(plan, echo=lambda line: click.echo(line, err=True))
     click.echo(f"wrote {out_dir / 'bench.md'}, bench.json and bench.png")

@@ -91,7 +91,8 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
                          reads=counters["prefetch_reads"], used=counters["prefetch_used"],
                          wasted=counters["prefetch_wasted"], cancelled=counters.get("prefetch_cancelled", 0))
     routing = run.get("routing", "own")
-    exact = "reference" if run["config"].get("reference") else "n/a (replayed routing)" if routing == "replayed" else (
+    exact = "reference" if run["config"].get("reference") else "n/a (replayed routing)" if routing == "replayed" else \
+        "n/a (upstream: no logits)" if run["config"].get("source") == "upstream" else (
         compare_digests(run, reference) if reference is not None and "error" not in reference else "n/a")
     return RunSummary(
         name, ok=True,
@@ -263,6 +264,14 @@ def markdown(results: dict) -> str:
     for entry in ratios(rows):
         lines.append(f"| {entry['run']} | {entry['baseline']} | {_f(entry.get('decode_ratio'))}x | "
                      + " | ".join(f"{_f(entry.get(f'prefill_ratio_{n}'))}x" for n in lengths) + " |")
+    upstream = [row for row in rows if row.ok and row.name.startswith("upstream-") and row.decode_tok_s]
+    if upstream:
+        lines += ["", "## Decode against upstream llama.cpp b11549 (its runs: experts in pinned RAM, same VRAM)", "",
+                  "| run | " + " | ".join(f"vs {u.name}" for u in upstream) + " |", "|---|" + "---|" * len(upstream)]
+        for row in rows:
+            if row.ok and row.decode_tok_s and not row.name.startswith("upstream-"):
+                lines.append(f"| {row.name} | " + " | ".join(f"{row.decode_tok_s / u.decode_tok_s:.2f}x" for u in upstream)
+                             + " |")
     by_name = {row.name: row for row in rows if row.ok}
     with_lookahead = [row for row in rows if row.ok and row.lookahead]
     if with_lookahead:

@@ -48,6 +48,8 @@ class BenchPlan:
     command: str = ""
     extra_facts: dict = field(default_factory=dict)
     routing: str | None = None            # a routing trace (.npz) the llamapack runs replay (bench/replay.py)
+    upstream_bin: str | None = None       # folder of upstream llama.cpp's llama-batched-bench (bench/upstream_build.sh)
+    upstream_configs: tuple = ()          # upstream.UpstreamConfig runs, after the llamapack runs
 
 
 def machine_facts() -> dict:
@@ -104,9 +106,29 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
             results["runs"].append(run)
             echo(f"    {summary_line(run)}")
             write_report(results, plan.out_dir)
+        run_upstream_configs(plan, results, Path(tmp), echo)
     probe_disk("disk_after", "after the runs")
     write_report(results, plan.out_dir)
     return results
+
+
+def run_upstream_configs(plan: BenchPlan, results: dict, tmp: Path, echo: Callable[[str], None]) -> None:
+    """Upstream llama.cpp's runs (llama-batched-bench), each once, replaying the same trace when there is one."""
+    if not plan.upstream_configs:
+        return
+    from ..routing.trace import load_trace
+    from .upstream import run_upstream
+
+    trace = load_trace(plan.routing) if plan.routing else None
+    binary = os.path.join(plan.upstream_bin, "llama-batched-bench")
+    for config in plan.upstream_configs:
+        echo(f"[upstream] {config.name} ...")
+        run = run_upstream(binary, plan.model, config, plan.prompt_lengths, plan.n_decode, tmp, trace=trace,
+                           timeout_s=plan.config_timeout_s, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch)
+        run.update(round=1, position=len(results["runs"]) + 1)
+        results["runs"].append(run)
+        echo(f"    {summary_line(run)}")
+        write_report(results, plan.out_dir)
 
 
 def describe_routing(plan: BenchPlan, model) -> dict:
