@@ -218,6 +218,17 @@ class LfuLruPolicy(_RankedPolicy):
 
 
 DEFAULT_POLICY = NextUsePolicy  # what the streaming provider's slot pool and RAM tier use (docs/cache_policy.md)
+# the online policies a provider can be told to use (StreamingSettings.cache_policy), by name
+ONLINE_POLICIES: dict[str, Callable[[int], CachePolicy]] = {
+    "next-use": NextUsePolicy, "lfu-lru": LfuLruPolicy, "lru": LruPolicy}
+
+
+def policy_class(name: str) -> Callable[[int], CachePolicy]:
+    """The online policy called ``name`` (a key of ``ONLINE_POLICIES``); ValueError naming the known ones."""
+    try:
+        return ONLINE_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown cache policy {name!r} (known: {', '.join(ONLINE_POLICIES)})") from None
 
 
 def next_use_table(steps: Sequence[Sequence[Key]]) -> list[dict[Key, int]]:

@@ -96,6 +96,10 @@ def test_a_combination_outside_the_matrix_is_parsed():
     assert parse_config("pack-25%", 16).verify and not parse_config("pack-25%+noverify@8G", 16).verify
     with pytest.raises(ValueError, match="noverify"):
         parse_config("gguf-direct-25%+noverify", 16)
+    assert [parse_config(n, 16).cache_policy for n in ("pack-25%@8G", "pack-25%+lfulru@8G", "pack-25%+ram+lru")] == [
+        "next-use", "lfu-lru", "lru"]
+    with pytest.raises(ValueError, match="cache policy is a llamapack setting"):
+        parse_config("cpu-moe+lru", 16)
     for name, message in (("pack-25%+nope@8G", "unknown option 'nope'"), ("pack-x%", "unknown run"),
                           ("pack-25%@8X", "@<n>G or @<n>M"), ("cpu-moe+prefetch", "llamapack settings"),
                           ("pack-250%", "must be in"), ("pack-25%+ram50%+ramauto", "instead of ram_fraction"),

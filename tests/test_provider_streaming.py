@@ -203,9 +203,9 @@ def expected_read_bytes(loaded, models, preset: str, source: str) -> int:
         return sum(read.length for key in loaded for read in reader.plan(*key))
 
 
-def replay(trace, n_slots: int) -> tuple[int, list, int]:
-    """(hits, the keys loaded in order, evictions) of DEFAULT_POLICY (the provider's) replaying ``trace``."""
-    policy, hits, loaded, evictions = DEFAULT_POLICY(n_slots), 0, [], 0
+def replay(trace, n_slots: int, policy_class=DEFAULT_POLICY) -> tuple[int, list, int]:
+    """(hits, the keys loaded in order, evictions) of ``policy_class`` (the provider's default) replaying ``trace``."""
+    policy, hits, loaded, evictions = policy_class(n_slots), 0, [], 0
     for layer, experts in trace:
         plan = policy.acquire([(layer, e) for e in experts])
         hits, evictions = hits + plan.hits, evictions + len(plan.evictions)
@@ -244,6 +244,24 @@ def test_counters_match_the_trace(source, traced_runs, models, vanilla):
     assert (stats["cache_hits"], stats["cache_misses"], stats["cache_evictions"]) == (hits, len(loaded), evictions)
     assert stats["cache_evictions"] == stats["cache_misses"] - n_slots  # no read failed: slots only fill up
     assert stats["pack_read_bytes"] == expected_read_bytes(loaded, models, "qwen3moe-tiny", source)
+
+
+def test_a_named_cache_policy_is_the_one_the_pool_follows(models, vanilla, tmp_path):
+    """``cache_policy="lfu-lru"`` (what the bench's +lfulru runs use): the counters are that policy's replay of
+    the acquire trace, not the default's, and the logits stay vanilla's."""
+    from llamapack.cache_policy import LfuLruPolicy
+
+    out = tmp_path / "lfu.npy"
+    result = run_self(spec_for(models["qwen3moe-tiny"][0], 7, out, n_slots=16, provider="streaming",
+                               streaming=dict(stage_slots=4, cache_policy="lfu-lru"),
+                               **source_spec(models, "qwen3moe-tiny", "pack")), tmp_path)
+    stats, trace = result["stats"], result["trace"]
+    assert np.array_equal(np.load(out), vanilla("qwen3moe-tiny", 7))
+    hits, loaded, evictions = replay(trace, stats["n_slots"], LfuLruPolicy)
+    assert (stats["cache_hits"], stats["cache_misses"], stats["cache_evictions"]) == (hits, len(loaded), evictions)
+    assert replay(trace, stats["n_slots"])[0] != hits  # the default would have decided otherwise on this trace
+    with pytest.raises(ValueError, match="unknown cache policy 'mru'.*next-use, lfu-lru, lru"):
+        StreamingSettings(cache_policy="mru")
 
 
 # ---------------------------------------------------------------- page cache

@@ -29,19 +29,31 @@ def has_gpu() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
-def upstream_configs(model: str, pack: str | None, fractions) -> tuple:
+def upstream_configs(model: str, pack: str | None, fractions, memory_limit_mib: int | None = None) -> tuple:
     """Upstream's runs: -cmoe (experts in pinned RAM, CPU compute), then its VRAM cache at each pack fraction's
-    VRAM (the pool's slots x the pack's block stride), same RAM-rich setting."""
+    VRAM (the pool's slots x the pack's block stride), same RAM-rich setting; with a memory limit, also its cache
+    at the smallest fraction under that limit, experts mmapped (the SSD regime: misses page experts in and are
+    computed on the CPU), decoding ``LIMITED_UPSTREAM_DECODE`` tokens per prompt within
+    ``LIMITED_UPSTREAM_TIMEOUT_S`` (such a run may page for minutes)."""
     from ..pack import open_gguf
     from .upstream import UpstreamConfig, cache_mib_for_slots
 
     layout = open_gguf(model).layout
-    configs = [UpstreamConfig("upstream-cmoe", n_threads=os.cpu_count() or 1)]
-    for fraction in fractions:
-        slots = max(1, round(fraction * layout.num_blocks))
-        configs.append(UpstreamConfig(f"upstream-cache-{100 * fraction:g}%", n_threads=os.cpu_count() or 1,
-                                      cache_mib=cache_mib_for_slots(slots, layout.expert_stride)))
+    threads = os.cpu_count() or 1
+    cache_mib = {f: cache_mib_for_slots(max(1, round(f * layout.num_blocks)), layout.expert_stride) for f in fractions}
+    configs = [UpstreamConfig("upstream-cmoe", n_threads=threads)]
+    configs += [UpstreamConfig(f"upstream-cache-{100 * f:g}%", n_threads=threads, cache_mib=cache_mib[f])
+                for f in fractions]
+    if memory_limit_mib is not None and fractions:
+        f = min(fractions)
+        limit = f"{memory_limit_mib // 1024}G" if memory_limit_mib % 1024 == 0 else f"{memory_limit_mib}M"
+        configs.append(UpstreamConfig(f"upstream-cache-{100 * f:g}%@{limit}", n_threads=threads, cache_mib=cache_mib[f],
+                                      load_mode="mmap", memory_limit_mib=memory_limit_mib,
+                                      n_decode=LIMITED_UPSTREAM_DECODE, timeout_s=LIMITED_UPSTREAM_TIMEOUT_S))
     return tuple(configs)
+
+
+LIMITED_UPSTREAM_DECODE, LIMITED_UPSTREAM_TIMEOUT_S = 32, 240.0
 
 
 @click.command("bench")
@@ -89,7 +101,8 @@ def upstream_configs(model: str, pack: str | None, fractions) -> tuple:
                    "router (a model of the trace's shape; no bit-exact column; vanilla runs keep their own routing).")
 @click.option("--upstream-bin", type=click.Path(file_okay=False),
               help="Folder of upstream llama.cpp's llama-batched-bench (bench/upstream_build.sh): adds its -cmoe run and "
-                   "its --moe-cache-mib runs at the VRAM of each pack fraction, RAM-rich (experts in pinned RAM).")
+                   "its --moe-cache-mib runs at the VRAM of each pack fraction, RAM-rich (experts in pinned RAM), and with "
+                   "--memory-limit-mib one at the smallest fraction under the limit (experts mmapped).")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, rounds, shuffle_seed, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
@@ -114,6 +127,6 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, roun
                      temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
                      vanilla_lib=vanilla_lib, patched_lib=patched_lib, rounds=rounds, shuffle_seed=shuffle_seed,
                      routing=routing, upstream_bin=upstream_bin,
-                     upstream_configs=upstream_configs(model, pack, fractions) if upstream_bin else (), command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
+                     upstream_configs=upstream_configs(model, pack, fractions, memory_limit_mib) if upstream_bin else (), command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
     run_bench(plan, echo=lambda line: click.echo(line, err=True))
     click.echo(f"wrote {out_dir / 'bench.md'}, bench.json and bench.png")

@@ -29,7 +29,8 @@ class BenchConfig:
     replay, such as vanilla llama.cpp's). ``prefetch``: router
     lookahead (pack modes). ``native_reads``: pack reads on the native read pool (True) or Python threads
     (False); None: the provider's default. ``verify``: each pack block's sha256 checked on its first read (the
-    default; ``+noverify`` turns it off). ``reference``: the run other runs' logits are compared with."""
+    default; ``+noverify`` turns it off). ``cache_policy``: the pool's and tier's policy (``+lfulru`` and ``+lru``
+    run the older ones, to measure the default against them). ``reference``: the run other runs' logits are compared with."""
 
     name: str
     source: str = VANILLA
@@ -51,6 +52,7 @@ class BenchConfig:
     reference: bool = False
     own_routing: bool = False
     verify: bool = True
+    cache_policy: str = "next-use"
 
     def __post_init__(self):
         if self.source not in (VANILLA, PACK, GGUF_DIRECT):
@@ -59,6 +61,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: vram_fraction is for pack and gguf_direct runs only, and needed there")
         if (self.prefetch or self.read_splits is not None or self.native_reads is not None) and self.source == VANILLA:
             raise ValueError(f"{self.name}: prefetch, read_splits and native_reads are llamapack settings")
+        if self.cache_policy != "next-use" and self.source == VANILLA:
+            raise ValueError(f"{self.name}: the cache policy is a llamapack setting")
         if not self.verify and self.source != PACK:
             raise ValueError(f"{self.name}: noverify (no sha256 check on first read) is a pack setting")
         if self.ram_auto and (self.ram_fraction is not None or self.source == VANILLA):
@@ -160,9 +164,9 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
                 "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, +noverify, "
-                "then @NG or @NM")
+                "+lfulru, +lru, then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify)(?=\+|$)")
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru)(?=\+|$)")
 
 
 def parse_config(name: str, n_cores: int) -> BenchConfig:
@@ -199,6 +203,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["own_routing"] = True
         elif option == "noverify":
             fields["verify"] = False
+        elif option in ("lfulru", "lru"):
+            fields["cache_policy"] = {"lfulru": "lfu-lru", "lru": "lru"}[option]
         elif option == "ram" or match["ram"]:
             fields["ram_fraction"] = float(match["ram"]) / 100 if match["ram"] else 1.0
         elif option.startswith("prefetch"):

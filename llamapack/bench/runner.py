@@ -123,8 +123,9 @@ def run_upstream_configs(plan: BenchPlan, results: dict, tmp: Path, echo: Callab
     binary = os.path.join(plan.upstream_bin, "llama-batched-bench")
     for config in plan.upstream_configs:
         echo(f"[upstream] {config.name} ...")
-        run = run_upstream(binary, plan.model, config, plan.prompt_lengths, plan.n_decode, tmp, trace=trace,
-                           timeout_s=plan.config_timeout_s, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch)
+        run = run_upstream(binary, plan.model, config, plan.prompt_lengths, config.n_decode or plan.n_decode, tmp,
+                           trace=trace, timeout_s=min(plan.config_timeout_s, config.timeout_s or plan.config_timeout_s),
+                           n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch)
         run.update(round=1, position=len(results["runs"]) + 1)
         results["runs"].append(run)
         echo(f"    {summary_line(run)}")

@@ -46,7 +46,9 @@ class UpstreamConfig:
     """One way of running upstream's batched-bench. ``cpu_moe``: routed experts in host memory (-cmoe), else all in
     VRAM. ``cache_mib``: its VRAM expert cache (--moe-cache-mib; needs cpu_moe). ``load_mode``: "none" reads the
     experts into pinned host memory at load (upstream's own advice with -cmoe, the RAM-rich case), "mmap" serves
-    them from the page cache (what a memory limit allows). ``memory_limit_mib``: a cgroup memory.max."""
+    them from the page cache (what a memory limit allows). ``memory_limit_mib``: a cgroup memory.max.
+    ``n_decode``: tokens decoded after each prompt, when fewer than the bench's (a run expected to be slow, such
+    as one that pages experts in under a limit); ``timeout_s``: its own limit, when shorter than the bench's."""
 
     name: str
     cpu_moe: bool = True
@@ -55,8 +57,12 @@ class UpstreamConfig:
     n_threads: int = 16
     n_gpu_layers: int = 99
     memory_limit_mib: int | None = None
+    n_decode: int | None = None
+    timeout_s: float | None = None
 
     def __post_init__(self):
+        if (self.n_decode is not None and self.n_decode < 1) or (self.timeout_s is not None and not self.timeout_s > 0):
+            raise ValueError(f"{self.name}: n_decode must be >= 1 and timeout_s > 0")
         if self.cache_mib < 0 or (self.cache_mib and not self.cpu_moe):
             raise ValueError(f"{self.name}: --moe-cache-mib caches host-resident experts: it needs cpu_moe and >= 0")
         if self.load_mode not in LOAD_MODES:

@@ -51,7 +51,7 @@ def load(spec: dict, config: BenchConfig):
     return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
                  stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=config.native_reads,
                  warm_start=False,  # every config starts cold: no counts carried from an earlier run or config
-                 verify_pack_sha256=config.verify,
+                 verify_pack_sha256=config.verify, cache_policy=config.cache_policy,
                  **extra, **params)
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cache_policy import DEFAULT_POLICY, Key
+from ..cache_policy import DEFAULT_POLICY, CachePolicy, Key
 from ..errors import CapacityError
 from .settings import MIB, StreamingSettings
 
@@ -40,11 +40,12 @@ class TierPlan:
 
 
 class HostTier:
-    """``n_blocks`` RAM blocks of whole experts, managed by the default cache policy (a block id is a policy slot)."""
+    """``n_blocks`` RAM blocks of whole experts, managed by a cache policy (a block id is a policy slot):
+    ``policy_class``, the default policy unless told otherwise."""
 
-    def __init__(self, n_blocks: int):
+    def __init__(self, n_blocks: int, policy_class: Callable[[int], CachePolicy] = DEFAULT_POLICY):
         self.n_blocks = n_blocks
-        self.policy = DEFAULT_POLICY(n_blocks)
+        self.policy = policy_class(n_blocks)
 
     def plan(self, keys: Sequence[Key]) -> TierPlan:
         """Where each of ``keys`` (distinct slot-pool misses of one step) comes from; pins them for the step."""

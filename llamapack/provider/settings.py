@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..cache_policy import policy_class
 from ..errors import CapacityError
 from ..native import MAX_LOOKAHEAD
 
@@ -43,7 +44,9 @@ class StreamingSettings:
     policies with the last session's and fill the pool (and the RAM tier) with its hottest experts before the
     first token (pack mode; see warm). ``warm_start_dir``: where those files live (None: the user cache,
     ``~/.cache/llamapack/warm``). Off here (a provider made directly starts cold); ``llamapack.Llama`` and the
-    CLI turn it on unless asked not to.
+    CLI turn it on unless asked not to. ``cache_policy``: the slot pool's and the RAM tier's policy, a name of
+    ``cache_policy.ONLINE_POLICIES`` (``next-use`` is ``DEFAULT_POLICY``; the others are there to be measured
+    against it; warm start needs ``next-use``).
     """
 
     cache_vram_mib: float | None = None
@@ -66,12 +69,14 @@ class StreamingSettings:
     native_reads: bool | None = None
     warm_start: bool = False
     warm_start_dir: str | None = None
+    cache_policy: str = "next-use"
 
     def __post_init__(self):
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top",
                      "prefetch_in_flight"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        policy_class(self.cache_policy)  # ValueError for an unknown name
         if not 1 <= self.prefetch_depth <= MAX_LOOKAHEAD:
             raise ValueError(f"prefetch_depth must be in [1, {MAX_LOOKAHEAD}] (got {self.prefetch_depth})")
         if self.cache_vram_mib is not None and not (self.cache_vram_mib > 0 and math.isfinite(self.cache_vram_mib)):

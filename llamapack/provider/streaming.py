@@ -44,7 +44,7 @@ import numpy as np
 
 from .. import native
 from ..errors import PackIOError
-from ..cache_policy import DEFAULT_POLICY, SlotAssignment
+from ..cache_policy import SlotAssignment, policy_class
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
 from .host_tier import AUTO, HostTier, TierPlan, preload_keys, spare_ram_bytes, tier_blocks
@@ -99,7 +99,7 @@ class StreamingProvider:
                 len(loaded_layers), n_expert_used, n_ubatch, free_vram(device) if device >= 0 else None,
                 spare_ram_bytes() if device < 0 else None)
             self.layout = SlotLayout.from_tensors(self.tensors, self.n_slots)
-            self.policy = DEFAULT_POLICY(self.n_slots)
+            self.policy = policy_class(settings.cache_policy)(self.n_slots)
             self.flusher = StatsFlusher(self.counters, settings.stats_path, settings.stats_flush_interval)
             self._layers, self._stride = loaded_layers, pack_layout.expert_stride
             self._first_layer = loaded_layers[0]
@@ -111,7 +111,7 @@ class StreamingProvider:
             if spare is not None:
                 log.info("RAM tier (auto): %d expert blocks, %.0f MiB of %.0f MiB spare", n_blocks,
                          n_blocks * self._stride / MIB, spare / MIB)
-            self.tier = HostTier(n_blocks) if n_blocks else None
+            self.tier = HostTier(n_blocks, policy_class(settings.cache_policy)) if n_blocks else None
             n_buffers = n_blocks or settings.stage_slots  # the copier's buffers: RAM blocks, or staging buffers
             n_lookahead = settings.prefetch_slots if settings.prefetch else 0  # ... then the lookahead buffers
             self.book = PrefetchBook(range(n_buffers, n_buffers + n_lookahead)) if n_lookahead else None
@@ -470,7 +470,8 @@ class StreamingProvider:
         if self._closed:
             return
         self._closed = True
-        if self.warm_file is not None and self.flusher is not None:  # the pool's policy saw every step
+        if self.warm_file is not None and self.flusher is not None and hasattr(self.policy, "popularity"):
+            # the pool's policy saw every step
             self.warm_file.save(self.policy.popularity())
         if self._ctx is not None:
             native.detach(self._ctx)
