@@ -17,7 +17,8 @@
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round6", ...)  # #9 sixth round: see below
 #   run(command="MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round7", ...)  # #9 seventh round: see below
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh replay", ...)  # #22: see below;
-#   then bench with ROUTING=<trace.npz> (the llamapack runs replay it) and UPSTREAM=1 (upstream b11549 runs)
+#   then bench with ROUTING=<trace.npz> (the llamapack runs replay it) and UPSTREAM=1 (upstream b11549 runs;
+#   UPSTREAM_RUNS=name,... picks some of them)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -132,6 +133,6 @@ bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after 
         ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} \
         ${PREFETCH_IN_FLIGHT:+--prefetch-in-flight $PREFETCH_IN_FLIGHT} ${RAM_FRACTIONS:+--ram-fractions $RAM_FRACTIONS} \
         ${READ_ENGINES:+--read-engines} ${ROUNDS:+--rounds $ROUNDS} ${SHUFFLE_SEED:+--shuffle-seed $SHUFFLE_SEED} \
-        ${ROUTING:+--routing $ROUTING} ${UPSTREAM:+--upstream-bin ${UPSTREAM_BIN:-/tmp/upstream/build/bin}} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${ROUTING:+--routing $ROUTING} ${UPSTREAM:+--upstream-bin ${UPSTREAM_BIN:-/tmp/upstream/build/bin}} ${UPSTREAM_RUNS:+--upstream-runs $UPSTREAM_RUNS} ${CONFIGS:+--configs $CONFIGS} 2>&1
     ;;
 esac

@@ -243,3 +243,25 @@ def test_upstream_runs_include_its_cache_under_the_memory_limit(monkeypatch):
     assert limited.timeout_s and limited.timeout_s < 1800
     with pytest.raises(ValueError, match="n_decode"):
         up.UpstreamConfig("x", n_decode=0)
+
+
+def test_bench_lists_and_picks_upstream_runs(tmp_path, monkeypatch):
+    import types
+
+    from click.testing import CliRunner
+
+    import llamapack.pack
+    from llamapack.bench.command import bench_command
+
+    layout = types.SimpleNamespace(num_blocks=1000, expert_stride=1 << 20)
+    monkeypatch.setattr(llamapack.pack, "open_gguf", lambda path: types.SimpleNamespace(layout=layout))
+    monkeypatch.setattr("llamapack.bench.command.has_gpu", lambda: True)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    args = [str(model), "--upstream-bin", str(tmp_path), "--memory-limit-mib", "8192", "--configs", "pack-25%@8G",
+            "--list"]
+    listed = CliRunner().invoke(bench_command, args + ["--upstream-runs", "upstream-cmoe,upstream-cache-25%@8G"])
+    assert listed.exit_code == 0 and listed.output.split()[-2:] == ["upstream-cmoe", "upstream-cache-25%@8G"]
+    assert "upstream-cache-50%" not in listed.output
+    bad = CliRunner().invoke(bench_command, args + ["--upstream-runs", "upstream-nope"])
+    assert bad.exit_code != 0 and "unknown upstream run(s) upstream-nope" in bad.output

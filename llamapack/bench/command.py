@@ -103,11 +103,13 @@ LIMITED_UPSTREAM_DECODE, LIMITED_UPSTREAM_TIMEOUT_S = 32, 240.0
               help="Folder of upstream llama.cpp's llama-batched-bench (bench/upstream_build.sh): adds its -cmoe run and "
                    "its --moe-cache-mib runs at the VRAM of each pack fraction, RAM-rich (experts in pinned RAM), and with "
                    "--memory-limit-mib one at the smallest fraction under the limit (experts mmapped).")
+@click.option("--upstream-runs", "upstream_names",
+              help="Only these of upstream's runs (comma-separated names, e.g. upstream-cmoe,upstream-cache-25%).")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, rounds, shuffle_seed, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
                   prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, routing,
-                  upstream_bin, list_only) -> None:
+                  upstream_bin, upstream_names, list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
                             gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch,
@@ -118,15 +120,26 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, roun
         configs = select(matrix, names.split(",") if names else None, n_cores=os.cpu_count() or 1)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--configs") from None
+    upstream = upstream_configs(model, pack, fractions, memory_limit_mib) if upstream_bin else ()
+    if upstream_names:
+        wanted = [n.strip() for n in upstream_names.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - {c.name for c in upstream})
+        if unknown:
+            raise click.BadParameter(f"unknown upstream run(s) {', '.join(unknown)} (known: "
+                                     f"{', '.join(c.name for c in upstream) or 'none without --upstream-bin'})",
+                                     param_hint="--upstream-runs")
+        upstream = tuple(c for c in upstream if c.name in wanted)
     if list_only:
         for round_, config in schedule(configs, rounds, shuffle_seed):
             click.echo(config.name if rounds == 1 else f"{round_}\t{config.name}")
+        for config in upstream:
+            click.echo(config.name)
         return
     plan = BenchPlan(model=model, out_dir=out_dir, configs=tuple(configs), pack=pack,
                      prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
                      temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
                      vanilla_lib=vanilla_lib, patched_lib=patched_lib, rounds=rounds, shuffle_seed=shuffle_seed,
                      routing=routing, upstream_bin=upstream_bin,
-                     upstream_configs=upstream_configs(model, pack, fractions, memory_limit_mib) if upstream_bin else (), command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
+                     upstream_configs=upstream, command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
     run_bench(plan, echo=lambda line: click.echo(line, err=True))
     click.echo(f"wrote {out_dir / 'bench.md'}, bench.json and bench.png")
