@@ -72,7 +72,7 @@ class _RankedPolicy:
         self._tick = 0
 
     # -- the provider's API
-    def acquire(self, keys: Sequence[Key]) -> AcquirePlan:
+    def acquire(self, keys: Sequence[Key], n_tokens: int = 1) -> AcquirePlan:  # n_tokens: not used here
         wanted = distinct_keys(keys)
         check_step_fits(len(wanted), self.n_slots)
         self._begin_step()

@@ -106,14 +106,18 @@ class NextUsePolicy:
         self._step = 0
 
     # -- the provider's API
-    def acquire(self, keys: Sequence[Key]) -> AcquirePlan:
+    def acquire(self, keys: Sequence[Key], n_tokens: int = 1) -> AcquirePlan:
+        """``n_tokens``: the tokens whose experts ``keys`` are (a prefill ubatch names many; 0: a preload): only
+        single-token steps teach the estimate, which is one of decode visits (a prefill visit uses most of a
+        layer's experts; learning from it cost 13 points of hit rate after a 512-token prompt:
+        docs/cache_policy.md)."""
         wanted = distinct_keys(keys)
         check_step_fits(len(wanted), self.n_slots)
         self._step += 1
         by_layer: dict[int, list[int]] = {}
         for layer, expert in wanted:
             by_layer.setdefault(layer, []).append(expert)
-        visited = [(number, self._visit(number, experts)) for number, experts in by_layer.items()]
+        visited = [(number, self._visit(number, experts, learn=n_tokens == 1)) for number, experts in by_layer.items()]
         pinned = set(wanted)
         assignments, evictions = [], []
         try:
@@ -226,17 +230,23 @@ class NextUsePolicy:
             self._seen * np.bincount(layer.ages, layer.counts, self.horizon + 2), 1e-300)
 
     # -- internals
-    def _visit(self, number: int, experts: list[int]) -> _Layer:
-        """A step names ``experts`` of layer ``number``: learn from it, then rank the layer's keys."""
+    def _visit(self, number: int, experts: list[int], learn: bool = True) -> _Layer:
+        """A step names ``experts`` of layer ``number``: learn from it (unless ``learn`` is False: then only the
+        layer's period and its pinned keys change), then rank the layer's keys."""
         layer = self._layers.get(number)
         if layer is None:
             layer = self._layers[number] = _Layer(len(self._layers) + 1, self.horizon)
         elif layer.last:
             layer.period = self._step - layer.last
         layer.last = self._step
-        layer.visits = layer.visits * self._decay + 1.0
         cap = self.horizon + 1
         layer.grow(max(experts) + 1, self.horizon)
+        if not learn:
+            layer.weight = self._weights(layer)  # grow may have added keys of the oldest class
+            layer.step_keys, layer.order = experts, None
+            self._queue(number, layer)
+            return layer
+        layer.visits = layer.visits * self._decay + 1.0
         ids = np.array(experts, dtype=np.intp)
         counts, ages = layer.counts, layer.ages
         # what this visit teaches: the share of each age class that it used

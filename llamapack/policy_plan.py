@@ -63,8 +63,10 @@ class CachePolicy(Protocol):
 
     n_slots: int
 
-    def acquire(self, keys: Sequence[Key]) -> AcquirePlan:
-        """Make every key resident (pinned for this step); raise CapacityError if they cannot all fit."""
+    def acquire(self, keys: Sequence[Key], n_tokens: int = 1) -> AcquirePlan:
+        """Make every key resident (pinned for this step); raise CapacityError if they cannot all fit.
+        ``n_tokens``: the tokens whose experts the keys are (1 in decode; a prefill ubatch's size; 0 for a
+        preload, which no token uses), which a policy may use to tell decode steps from the others."""
 
     def abandon(self, key: Key) -> bool:
         """A load failed: free the key's slot and forget it; False if the key was not resident."""

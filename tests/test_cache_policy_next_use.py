@@ -290,3 +290,54 @@ def test_on_granite_no_popularity_estimate_reaches_85_percent_of_belady_at_12_an
         oracle = frequency_oracle_rate(GRANITE, fraction)
         assert oracle < 0.85 * rates["belady"][i]
         assert rates["next_use"][i] >= 0.9 * oracle  # the online policy gets most of what popularity can give
+
+
+# ---------------------------------------------------------------- prefill steps
+
+
+def bench_like_steps(trace, n_prompt: int, n_decode: int) -> list[tuple[int, list]]:
+    """(n_tokens, keys) steps as the provider sees a request of each trace request: one step per layer holding
+    the union of the prompt's experts (one ubatch), then one step per (decode token, layer)."""
+    steps = []
+    for first, end in trace.request_bounds():
+        rows, prefill = trace.experts[first:end], trace.prefill[first:end]
+        prompt = rows[prefill][:n_prompt]
+        for layer in range(trace.n_layers):
+            steps.append((len(prompt), sorted({(layer, int(e)) for e in prompt[:, layer].ravel()})))
+        for row in rows[~prefill][:n_decode]:
+            steps += [(1, [(layer, int(e)) for e in row[layer]]) for layer in range(trace.n_layers)]
+    return steps
+
+
+def decode_hit_rate(steps, n_slots: int, tell_tokens: bool) -> float:
+    policy, hits, lookups = NextUsePolicy(n_slots), 0, 0
+    for n_tokens, keys in steps:
+        plan = policy.acquire(keys, n_tokens=n_tokens if tell_tokens else 1)
+        if n_tokens == 1:
+            hits, lookups = hits + plan.hits, lookups + len(keys)
+    return hits / lookups
+
+
+def test_prefill_steps_do_not_teach_the_estimate():
+    """A prompt's step names most of a layer's experts at once; learning reuse rates and popularity from it (as
+    from a decode step) drags the following decode's hit rate down. Told the step's token count, the policy
+    skips learning there, and the decode hit rate is what the decode steps alone give."""
+    trace = load_trace(DATA / "qwen3-30b-a3b.model-s0.npz")
+    steps = bench_like_steps(trace, n_prompt=40, n_decode=48)
+    n_slots = round(0.125 * trace.n_layers * trace.n_experts)
+    decode_only = decode_hit_rate([s for s in steps if s[0] == 1], n_slots, True)
+    told, untold = decode_hit_rate(steps, n_slots, True), decode_hit_rate(steps, n_slots, False)
+    print(f"\ndecode only {decode_only:.3f}, with prefill steps told {told:.3f}, untold {untold:.3f}")
+    assert told >= decode_only - 0.01
+    assert told >= untold + 0.015
+
+
+def test_a_step_of_no_token_teaches_nothing():
+    """n_tokens 0 (a preload): keys become resident, but the counts, ages and rates stay as they were."""
+    policy = NextUsePolicy(8)
+    policy.acquire([(0, 0), (0, 1)])
+    rates, frequency = policy.reuse_rates().copy(), policy.frequency((0, 0))
+    plan = policy.acquire([(0, 2), (0, 3)], n_tokens=0)
+    assert [a.hit for a in plan.assignments] == [False, False] and (0, 3) in policy
+    assert np.array_equal(policy.reuse_rates(), rates) and policy.frequency((0, 0)) == frequency
+    assert policy.frequency((0, 2)) == 0.0

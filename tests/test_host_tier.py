@@ -201,9 +201,9 @@ def replay_with_tier(trace, n_slots: int, n_blocks: int) -> tuple[dict, list]:
     counts = dict.fromkeys(("cache_hits", "cache_misses", "cache_evictions", "ram_hits", "ram_misses",
                             "ram_evictions"), 0)
     read = []
-    for layer, experts in trace:
-        plan = pool.acquire([(layer, e) for e in experts])
-        tier_plan = tier.plan([load.key for load in plan.loads])
+    for layer, experts, n_tokens in trace:
+        plan = pool.acquire([(layer, e) for e in experts], n_tokens=n_tokens)
+        tier_plan = tier.plan([load.key for load in plan.loads], n_tokens=n_tokens)
         for name, value in (("cache_hits", plan.hits), ("cache_misses", plan.misses),
                             ("cache_evictions", len(plan.evictions)), ("ram_hits", len(tier_plan.hits)),
                             ("ram_misses", len(tier_plan.misses)), ("ram_evictions", tier_plan.evictions)):
@@ -283,8 +283,8 @@ def test_counters_match_a_replayed_trace_with_a_ram_tier(source, tier, models, t
           f"{stats['ram_hits']}")
     if tier == "all":
         cut = result["trace_after_failure"]
-        seen = {(layer, e) for layer, experts in trace[:cut] for e in experts}
-        assert {(layer, e) for layer, experts in trace[cut:] for e in experts} <= seen  # same routing
+        seen = {(layer, e) for layer, experts, _ in trace[:cut] for e in experts}
+        assert {(layer, e) for layer, experts, _ in trace[cut:] for e in experts} <= seen  # same routing
         assert stats["cache_misses"] > first["cache_misses"]  # the pool still misses...
         assert stats["pack_read_bytes"] == first["pack_read_bytes"]  # ...but nothing more comes from the SSD
         assert stats["ram_misses"] == first["ram_misses"] == len(seen) and stats["ram_evictions"] == 0

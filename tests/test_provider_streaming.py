@@ -75,7 +75,7 @@ def provider_worker(spec: dict) -> dict:
     trace, acquire = [], provider.acquire
 
     def traced(layer, ids):
-        trace.append([layer, list(dict.fromkeys(ids.tolist()))])
+        trace.append([layer, list(dict.fromkeys(ids.tolist())), len(ids) // provider.n_expert_used])
         return acquire(layer, ids)
 
     provider.acquire = traced
@@ -206,8 +206,8 @@ def expected_read_bytes(loaded, models, preset: str, source: str) -> int:
 def replay(trace, n_slots: int, policy_class=DEFAULT_POLICY) -> tuple[int, list, int]:
     """(hits, the keys loaded in order, evictions) of ``policy_class`` (the provider's default) replaying ``trace``."""
     policy, hits, loaded, evictions = policy_class(n_slots), 0, [], 0
-    for layer, experts in trace:
-        plan = policy.acquire([(layer, e) for e in experts])
+    for layer, experts, n_tokens in trace:
+        plan = policy.acquire([(layer, e) for e in experts], n_tokens=n_tokens)
         hits, evictions = hits + plan.hits, evictions + len(plan.evictions)
         loaded += [load.key for load in plan.loads]
     return hits, loaded, evictions
@@ -236,7 +236,7 @@ def test_counters_match_the_trace(source, traced_runs, models, vanilla):
     assert np.array_equal(got, vanilla("qwen3moe-tiny", 7))
     n_slots = stats["n_slots"]
     hits, loaded, evictions = replay(trace, n_slots)
-    distinct = sum(len(experts) for _, experts in trace)
+    distinct = sum(len(experts) for _, experts, _ in trace)
     print(f"\n{source}: {len(trace)} acquires, {distinct} keys, hits {stats['cache_hits']}, misses "
           f"{stats['cache_misses']}, evictions {stats['cache_evictions']}, read {stats['pack_read_bytes']} B")
     assert stats["acquires"] == len(trace) == (N_PROMPT // 7 + 1 + N_DECODE) * 4
@@ -373,7 +373,7 @@ def test_native_short_read_fails_the_decode_then_recovers(models, traced_runs, v
 
     gguf, pack = models["qwen3moe-tiny"]
     serving = Path(build_pack(gguf, tmp_path / "serving.expert-pack", progress=False, safety_margin_mib=0).pack_path)
-    layer, experts = traced_runs["pack"][0]["trace"][0]
+    layer, experts, _ = traced_runs["pack"][0]["trace"][0]
     with PackReader(pack) as reader:
         offset = reader.layout.block_offset(layer, experts[0])
     spec = spec_for(gguf, 7, tmp_path / "n.npy", n_slots=16, provider="streaming", eval_first=True,
@@ -404,7 +404,7 @@ def test_sha256_mismatch_names_layer_and_expert(models, traced_runs, tmp_path):
 
     gguf, _ = models["qwen3moe-tiny"]
     pack = Path(build_pack(gguf, tmp_path / "bad.expert-pack", progress=False, safety_margin_mib=0).pack_path)
-    layer, experts = traced_runs["pack"][0]["trace"][0]  # the first expert the prompt loads
+    layer, experts, _ = traced_runs["pack"][0]["trace"][0]  # the first expert the prompt loads
     with PackReader(pack) as reader:
         offset = reader.layout.block_offset(layer, experts[0]) + 123
     flip_byte(pack, offset)

@@ -47,9 +47,9 @@ class HostTier:
         self.n_blocks = n_blocks
         self.policy = policy_class(n_blocks)
 
-    def plan(self, keys: Sequence[Key]) -> TierPlan:
+    def plan(self, keys: Sequence[Key], n_tokens: int = 1) -> TierPlan:
         """Where each of ``keys`` (distinct slot-pool misses of one step) comes from; pins them for the step."""
-        plan = self.policy.acquire(keys)
+        plan = self.policy.acquire(keys, n_tokens=n_tokens)
         hits = tuple((a.key, a.slot) for a in plan.assignments if a.hit)
         misses = tuple((a.key, a.slot) for a in plan.assignments if not a.hit)
         return TierPlan(hits, misses, len(plan.evictions))

@@ -85,6 +85,7 @@ class StreamingProvider:
         self.flusher: StatsFlusher | None = None
         self._reader, self._reads, self._copier, self._ctx, self._closed = reader, None, None, None, False
         self.tier: HostTier | None = None
+        self._step_tokens = 0  # tokens of the step being served (0: a preload or warm start, not a use)
         self.native_reads, self._prefetch_threads = False, 0
         self.warm_file: WarmFile | None = None
         try:
@@ -204,7 +205,7 @@ class StreamingProvider:
         return len(loads)
 
     def _preload_batch(self, keys: list) -> None:
-        plan = self.tier.plan(keys)
+        plan = self.tier.plan(keys, n_tokens=0)  # a preload: no token uses these keys
         in_flight, filled, error = {}, set(), None
         try:
             for key, block in plan.misses:
@@ -293,7 +294,8 @@ class StreamingProvider:
         """Make every expert in ``expert_ids`` of ``layer`` resident; return their slot ids (copies complete)."""
         ids = expert_ids.tolist()
         experts = list(dict.fromkeys(ids))
-        plan = self.policy.acquire([(layer, expert) for expert in experts])
+        self._step_tokens = max(1, len(expert_ids) // self.n_expert_used)  # policies learn from decode steps only
+        plan = self.policy.acquire([(layer, expert) for expert in experts], n_tokens=self._step_tokens)
         tokens = len(expert_ids) // self.n_expert_used if layer == self._first_layer else 0
         self.counters.record_acquire(plan.hits, plan.misses, len(plan.evictions), tokens=tokens)
         if self.book is not None:
@@ -400,7 +402,7 @@ class StreamingProvider:
         ahead = {load.key: buffer for buffer, (load, _) in lookahead.items()}
         if self.tier is None:
             return deque(), deque((load, None) for load in loads if load.key not in ahead), None, {}
-        plan = self.tier.plan([load.key for load in loads])
+        plan = self.tier.plan([load.key for load in loads], n_tokens=self._step_tokens)
         self.counters.record_ram(len(plan.hits), len(plan.misses), plan.evictions)
         load_of = {load.key: load for load in loads}
         # a read-ahead key the tier already holds (a hit) is copied from its lookahead buffer all the same
