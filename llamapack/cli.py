@@ -16,7 +16,7 @@ from llamapack.errors import InputError, IntegrityError, LlamapackError
 
 # commands defined in other modules, imported only when used (numpy must not load before llama_cpp)
 LAZY_COMMANDS = {"synth": "llamapack.synth.command:synth_command", "bench": "llamapack.bench.command:bench_command",
-                 "trace": "llamapack.routing.command:trace_group"}
+                 "trace": "llamapack.routing.command:trace_group", "plan": "llamapack.plan.command:plan_command"}
 
 
 class LlamapackGroup(click.Group):

@@ -60,10 +60,11 @@ def cap_shares(inclusion: np.ndarray) -> np.ndarray:
         if not over.any():
             break
         inclusion[over] = 1.0
-        free = ~over & (inclusion < 1)
-        inclusion[free] *= (total - over.sum()) / inclusion[free].sum()
-    inclusion = np.minimum(inclusion, 1.0)
-    return inclusion * (total / inclusion.sum())
+        free = inclusion < 1
+        if not free.any():
+            break
+        inclusion[free] *= (total - (~free).sum()) / inclusion[free].sum()
+    return np.minimum(inclusion, 1.0)  # rounding only: the sum moves by ~1e-15
 
 
 @lru_cache(maxsize=None)
