@@ -14,13 +14,15 @@ from .planner import make_plan, table_lines
               help="Experts read from PACK (no value: <stem>.expert-pack beside MODEL); default: from MODEL itself.")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Context the KV cache is sized for.")
+@click.option("--no-gpu", "no_gpu", is_flag=True, help="Plan a host pool (CPU compute, as with -ngl 0) even with a GPU.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--reprobe", is_flag=True, help="Measure the disk, CPU and copy rates again (else cached per machine).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def plan_command(model: str, pack: str | None, ctx_size: int, as_json: bool, reprobe: bool, quiet: bool) -> None:
+def plan_command(model: str, pack: str | None, ctx_size: int, no_gpu: bool, as_json: bool, reprobe: bool,
+                 quiet: bool) -> None:
     """Predict decode and prefill speed of MODEL.gguf on this machine before loading it, and choose the expert
     cache, RAM tier and ubatch sizes (use them with `llamapack run/serve --auto`)."""
-    plan = make_plan(model, pack, n_ctx=ctx_size, reprobe=reprobe, progress=not quiet)
+    plan = make_plan(model, pack, n_ctx=ctx_size, reprobe=reprobe, use_gpu=not no_gpu, progress=not quiet)
     if as_json:
         click.echo(json.dumps(plan.as_json(), indent=1))
         return

@@ -66,9 +66,10 @@ def prediction_json(p: Prediction, shape: ModelShape) -> dict:
 
 
 def make_plan(model: str, pack: str | None = None, *, n_ctx: int = 4096, reprobe: bool = False,
-              progress: bool = True, cache_dir: Path | None = None) -> Plan:
+              use_gpu: bool = True, progress: bool = True, cache_dir: Path | None = None) -> Plan:
     """The plan of ``model`` (a GGUF) read from ``pack`` (None: GGUF-direct; "" or True: the default pack beside
-    the model). CapacityError / PackIOError when it cannot run at all."""
+    the model); ``use_gpu=False``: a host pool even where a GPU is seen. CapacityError / PackIOError when it
+    cannot run at all."""
     from ..pack import default_pack_path, open_gguf
 
     if pack == "" or pack is True:
@@ -83,7 +84,8 @@ def make_plan(model: str, pack: str | None = None, *, n_ctx: int = 4096, reprobe
                 bar.set_postfix_str(name)
                 bar.update(1)
 
-        report = probe.probe(target, reprobe=reprobe, cache_dir=root / "probe", step=step)
+        report = probe.probe(target, reprobe=reprobe, cache_dir=root / "probe", use_gpu=use_gpu,
+                             step=step)
         recommend.recommend(shape, report.machine, n_ctx)  # refuse before the slow part
         step("routing model")
         trace = hits.decode_trace(shape, root / "plan")

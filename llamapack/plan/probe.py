@@ -150,13 +150,13 @@ def meminfo_total(path: str = "/proc/meminfo") -> int:
         return next(int(line.split()[1]) << 10 for line in lines if line.startswith("MemTotal:"))
 
 
-def probe(target: DiskTarget, *, reprobe: bool = False, cache_dir: Path | None = None,
+def probe(target: DiskTarget, *, reprobe: bool = False, cache_dir: Path | None = None, use_gpu: bool = True,
           step: Callable[[str], None] = lambda name: None) -> ProbeReport:
     """The machine's figures; rates from the cache unless missing or ``reprobe`` (``step(name)`` is called
-    before each measurement, for a progress bar)."""
+    before each measurement, for a progress bar). ``use_gpu=False``: plan a host pool even with a GPU."""
     path = probe_file(cache_dir)
     data = {} if reprobe else load_cache(path)
-    cupy = import_cupy_device()
+    cupy = import_cupy_device() if use_gpu else None
     measured = []
     disks = data.setdefault("disks", {})
     if target.key not in disks:
