@@ -285,3 +285,20 @@ def test_run_auto_prints_and_applies_the_plan(recorded):
     assert "64 slots" in result.stderr  # the tiny model's 4 x 16 experts all fit the chosen cache
     clash = CliRunner().invoke(main, [*args, "--cache-slots", "8"])
     assert clash.exit_code == 1 and "--auto chooses --cache-slots" in clash.output
+
+
+def test_serve_auto_prints_and_applies_the_plan(recorded, monkeypatch):
+    import llamapack.server.wsgi as wsgi
+
+    class NoServer:
+        port = 0
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(wsgi, "make_server", lambda *args, **kwargs: NoServer())
+    result = CliRunner().invoke(main, ["serve", str(recorded), "--pack", "--auto", "-c", "256", "-t", "2"])
+    assert result.exit_code == 0, result.output
+    assert any(line.startswith("--auto (llamapack plan): cache_vram_mib=") for line in result.stderr.splitlines())
+    refused = CliRunner().invoke(main, ["serve", str(recorded), "--auto"])
+    assert refused.exit_code == 1 and "--auto sizes the expert cache: give --pack or --gguf-direct" in refused.output
