@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import cache_policy
-from ..routing import RoutingCounts, RoutingModel, RoutingTrace, load_trace, save_trace
+from ..routing import RoutingCounts, RoutingModel, RoutingTrace, TraceError, load_trace, save_trace
 from ..routing.counts import SHIPPED_COUNTS, load_counts
 from .model import ModelShape, StepLoads
 
@@ -80,8 +80,8 @@ def decode_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) 
     if path is not None and path.is_file():
         try:
             return load_trace(path)
-        except Exception:  # noqa: BLE001 - a damaged cache file is made again
-            pass
+        except TraceError:
+            pass  # a damaged cache file is drawn again
     counts = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k)
     trace = RoutingModel(counts).synthesize(TRACE_REQUESTS * TRACE_DECODE_TOKENS, TRACE_REQUESTS,
                                             TRACE_PREFILL_TOKENS, TRACE_SEED)

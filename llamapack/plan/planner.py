@@ -77,7 +77,7 @@ def make_plan(model: str, pack: str | None = None, *, n_ctx: int = 4096, reprobe
     shape = read_shape(model)
     root = cache_dir or probe.cache_root()
     target = probe.disk_target(model, pack)
-    bar = tqdm(total=7, desc="plan", unit="step", leave=False) if progress else nullcontext()
+    bar = tqdm(desc="plan", unit="step", leave=False) if progress else nullcontext()
     with bar:
         def step(name: str) -> None:
             if progress:
