@@ -302,3 +302,12 @@ def test_serve_auto_prints_and_applies_the_plan(recorded, monkeypatch):
     assert any(line.startswith("--auto (llamapack plan): cache_vram_mib=") for line in result.stderr.splitlines())
     refused = CliRunner().invoke(main, ["serve", str(recorded), "--auto"])
     assert refused.exit_code == 1 and "--auto sizes the expert cache: give --pack or --gguf-direct" in refused.output
+
+
+def test_settings_give_back_the_same_slot_counts():
+    shape = ModelShape("odd", 3, 7, 2, 4096 * 97, 4096 * 131, 3e5, 1 << 20)
+    for slots, blocks in ((7, 0), (13, 9), (21, 21)):
+        settings = Budgets(slots, blocks, 1, True).settings(shape)
+        assert int(settings["cache_vram_mib"] * MIB) // shape.slot_bytes == slots
+        if blocks:
+            assert int(settings["ram_cache_mib"] * MIB) // shape.block_bytes == blocks

@@ -120,9 +120,14 @@ class Budgets:
 
     def settings(self, shape: ModelShape) -> dict:
         """The StreamingSettings / run options these budgets are: cache_vram_mib, ram_cache_mib, n_ubatch."""
-        return {"cache_vram_mib": round(self.pool_slots * shape.slot_bytes / MIB, 1),
-                "ram_cache_mib": round(self.tier_blocks * shape.block_bytes / MIB, 1) if self.tier_blocks else None,
+        return {"cache_vram_mib": mib_up(self.pool_slots * shape.slot_bytes),
+                "ram_cache_mib": mib_up(self.tier_blocks * shape.block_bytes) if self.tier_blocks else None,
                 "n_ubatch": self.n_ubatch}
+
+
+def mib_up(nbytes: int) -> float:
+    """``nbytes`` in MiB, rounded up to 0.1 MiB: a budget the provider floors back to the same slot count."""
+    return math.ceil(nbytes / MIB * 10) / 10
 
 
 @dataclass(frozen=True)
