@@ -16,7 +16,7 @@ from llamapack.errors import InputError, IntegrityError, LlamapackError
 
 # commands defined in other modules, imported only when used (numpy must not load before llama_cpp)
 LAZY_COMMANDS = {"synth": "llamapack.synth.command:synth_command", "bench": "llamapack.bench.command:bench_command",
-                 "trace": "llamapack.routing.command:trace_group"}
+                 "trace": "llamapack.routing.command:trace_group", "plan": "llamapack.plan.command:plan_command"}
 
 
 class LlamapackGroup(click.Group):
@@ -147,6 +147,25 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
     return options
 
 
+def auto_options(model: str, pack: str | None, gguf_direct: bool, ctx_size: int, n_gpu_layers: int,
+                 given: dict[str, object]) -> dict:
+    """--auto: ``llamapack plan``'s cache_vram_mib, ram_cache_mib and n_ubatch for this run, printed to stderr.
+    Refused without --pack/--gguf-direct and beside an option it chooses (``given``: flag -> value or None)."""
+    if pack is None and not gguf_direct:
+        raise click.ClickException("--auto sizes the expert cache: give --pack or --gguf-direct")
+    clash = [flag for flag, value in given.items() if value is not None]
+    if clash:
+        raise click.ClickException(f"--auto chooses {clash[0]}: give one or the other")
+    from llamapack.plan.planner import make_plan  # after llama_cpp (the caller imported llamapack.run)
+
+    plan = make_plan(model, None if gguf_direct else pack, n_ctx=ctx_size, use_gpu=n_gpu_layers != 0,
+                     progress=sys.stderr.isatty())
+    chosen = plan.settings()
+    click.echo("--auto (llamapack plan): " + ", ".join(f"{k}={v}" for k, v in chosen.items())
+               + f"; predicted decode {plan.recommended.decode_tok_s:.1f} tok/s", err=True)
+    return chosen
+
+
 def read_line(stream) -> str:
     """One chat line from ``stream``, stripped; InputError when it is not UTF-8."""
     try:
@@ -182,18 +201,25 @@ def read_line(stream) -> str:
 @click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
 @click.option("--no-verify", is_flag=True,
               help="Do not check each pack block's sha256 the first time it is read (on by default).")
+@click.option("--auto", is_flag=True,
+              help="Choose --cache-vram-mib, --ram-cache-mib and the ubatch size with `llamapack plan` (printed).")
 @click.option("--chat", is_flag=True, help="Chat: one user message per stdin line, until EOF or an empty line.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the run's numbers here as JSON.")
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
         cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None,
-        ram_preload: bool, prefetch: bool, warm_start: bool | None, no_direct_io: bool, no_verify: bool, chat: bool,
-        stats_json: str | None) -> None:
+        ram_preload: bool, prefetch: bool, warm_start: bool | None, no_direct_io: bool, no_verify: bool, auto: bool,
+        chat: bool, stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
     if prompt is None and not chat:
         raise click.ClickException("give a prompt with -p/--prompt, or use --chat")
+    if auto:
+        chosen = auto_options(model, pack, gguf_direct, ctx_size, n_gpu_layers,
+                              {"--cache-slots": cache_slots, "--cache-vram-mib": cache_vram_mib,
+                               "--ram-cache-mib": ram_cache_mib, "--ubatch-size": ubatch_size})
+        cache_vram_mib, ram_cache_mib, ubatch_size = (chosen[k] for k in ("cache_vram_mib", "ram_cache_mib", "n_ubatch"))
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
@@ -257,10 +283,12 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
 @click.option("--no-verify", is_flag=True,
               help="Do not check each pack block's sha256 the first time it is read (on by default).")
+@click.option("--auto", is_flag=True,
+              help="Choose --cache-vram-mib, --ram-cache-mib and the ubatch size with `llamapack plan` (printed).")
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, embedding: bool, max_body_mib: float, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
           ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, no_direct_io: bool,
-          no_verify: bool, warm_start: bool | None) -> None:
+          no_verify: bool, warm_start: bool | None, auto: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from llamapack.run import open_model
     from llamapack.server import create_app
@@ -271,9 +299,15 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False, **({"embedding": True} if embedding else {}))
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
+    cache_mib = None
+    if auto:
+        chosen = auto_options(model, pack, gguf_direct, ctx_size, n_gpu_layers,
+                              {"--cache-slots": cache_slots, "--ram-cache-mib": ram_cache_mib})
+        cache_mib, ram_cache_mib = chosen["cache_vram_mib"], chosen["ram_cache_mib"]
+        params.update(n_ubatch=chosen["n_ubatch"], n_batch=max(512, chosen["n_ubatch"]))
     params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start, no_direct_io, no_verify))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
-                    **params) as llm:
+                    cache_mib=cache_mib, **params) as llm:
         max_body_bytes = int(max_body_mib * (1 << 20))
         app = create_app(llm, api_key=api_key, queue_size=queue_size, max_body_bytes=max_body_bytes)
         server = make_server(app, host, port, queue_size=queue_size, max_body_bytes=max_body_bytes)

@@ -1,0 +1,150 @@
+"""Hit rates for ``llamapack plan``: the routing model at the model's shape, replayed through the real cache policy.
+
+Routing: the shipped counts when one has the model's shape (Qwen3-30B-A3B, Qwen3-Next-80B-A3B), else
+``shape_counts``: Qwen3-30B-A3B's measured popularity curve of each layer, resampled to the model's expert count
+and top-k (no co-activation pairs). ``RoutingModel`` turns the counts into a seeded trace (``decode_trace``), with
+the granite reuse profile, as ``llamapack trace synth`` does.
+
+Replay (``replay``) mirrors the streaming provider: one cache step per (token or ubatch, MoE layer), the pool's
+policy (``cache_policy.DEFAULT_POLICY``) sees the step's keys, the RAM tier's own policy sees the pool's misses.
+Decode figures are measured on the last request of the trace (the earlier ones warm the cache). Prefill ubatches
+are drawn per layer from the counts' inclusion, each expert present with ``1 - (1 - p) ** n_ubatch`` (tokens
+independent: an upper bound on the distinct experts of a ubatch, since real tokens reuse experts); one prompt
+warms the cache, the next is measured.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .. import cache_policy
+from ..routing import RoutingCounts, RoutingModel, RoutingTrace, TraceError, load_trace, save_trace
+from ..routing.counts import SHIPPED_COUNTS, load_counts
+from .model import ModelShape, StepLoads
+
+REFERENCE_COUNTS = "qwen3-30b-a3b"
+TRACE_REQUESTS = 3           # the last one is measured, the others warm the cache
+TRACE_PREFILL_TOKENS = 32    # per request
+TRACE_DECODE_TOKENS = 160    # per request
+TRACE_SEED = 0
+COUNTS_TOKENS = 1_000_000    # the heat scale of derived counts (only shares matter)
+
+
+def shape_counts(n_layers: int, n_experts: int, top_k: int) -> RoutingCounts:
+    """Counts of this shape: shipped ones when a shipped model has it, else the reference model's per-layer
+    popularity curves (sorted, resampled by quantile, scaled to top_k picks, each share capped at 1)."""
+    for name in SHIPPED_COUNTS:
+        counts = _shipped(name)
+        if (counts.n_layers, counts.n_experts, counts.top_k) == (n_layers, n_experts, top_k):
+            return counts
+    reference = _shipped(REFERENCE_COUNTS)
+    source_share = np.sort(reference.inclusion(), axis=1)[:, ::-1] / reference.top_k  # [layers, experts], rows sum 1
+    x_source = (np.arange(reference.n_experts) + 0.5) / reference.n_experts
+    x_target = (np.arange(n_experts) + 0.5) / n_experts
+    heat = np.empty((n_layers, n_experts))
+    for layer in range(n_layers):
+        curve = np.interp(x_target, x_source, source_share[layer * reference.n_layers // n_layers])
+        heat[layer] = cap_shares(curve / curve.sum() * top_k) * COUNTS_TOKENS
+    return RoutingCounts(heat, tuple(np.zeros((0, 4)) for _ in range(n_layers)), top_k, COUNTS_TOKENS,
+                         f"{REFERENCE_COUNTS} popularity resampled to {n_layers} x {n_experts}, top-{top_k}")
+
+
+def cap_shares(inclusion: np.ndarray) -> np.ndarray:
+    """``inclusion`` with no value above 1 and the same sum: the excess goes to the others, in proportion."""
+    inclusion, total = inclusion.astype(float).copy(), float(inclusion.sum())
+    for _ in range(len(inclusion)):
+        over = inclusion > 1
+        if not over.any():
+            break
+        inclusion[over] = 1.0
+        free = inclusion < 1
+        if not free.any():
+            break
+        inclusion[free] *= (total - (~free).sum()) / inclusion[free].sum()
+    return np.minimum(inclusion, 1.0)  # rounding only: the sum moves by ~1e-15
+
+
+@lru_cache(maxsize=None)
+def _shipped(name: str) -> RoutingCounts:
+    return load_counts(name)
+
+
+def decode_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) -> RoutingTrace:
+    """The routing model's trace at ``shape`` (module docstring); kept as a ``.npz`` under ``cache_dir``."""
+    name = (f"routing-{shape.n_moe_layers}x{shape.n_experts}-top{shape.top_k}-{TRACE_REQUESTS}x"
+            f"{TRACE_PREFILL_TOKENS}+{TRACE_DECODE_TOKENS}-seed{TRACE_SEED}.npz")
+    path = Path(cache_dir) / name if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            return load_trace(path)
+        except TraceError:
+            pass  # a damaged cache file is drawn again
+    counts = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k)
+    trace = RoutingModel(counts).synthesize(TRACE_REQUESTS * TRACE_DECODE_TOKENS, TRACE_REQUESTS,
+                                            TRACE_PREFILL_TOKENS, TRACE_SEED)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_trace(trace, path)
+        except OSError:
+            pass  # no cache: the next plan draws it again
+    return trace
+
+
+def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots: int, tier_blocks: int) -> StepLoads:
+    """Sum the loads of the ``measured`` steps after replaying all of ``steps`` through a pool of ``pool_slots``
+    and a tier of ``tier_blocks`` (0: none), each with the default policy."""
+    pool = cache_policy.DEFAULT_POLICY(pool_slots)
+    tier = cache_policy.DEFAULT_POLICY(tier_blocks) if tier_blocks else None
+    lookups = pool_hits = ram_hits = ssd_reads = 0
+    for step, counted in zip(steps, measured):
+        if not step:
+            continue
+        plan = pool.acquire(step)
+        misses = [a.key for a in plan.assignments if not a.hit]
+        from_ram = 0
+        if tier is not None and misses:
+            from_ram = tier.acquire(misses).hits
+        if counted:
+            lookups += len(plan.assignments)
+            pool_hits += plan.hits
+            ram_hits += from_ram
+            ssd_reads += len(misses) - from_ram
+    return StepLoads(lookups, pool_hits, ram_hits, ssd_reads)
+
+
+def decode_loads(trace: RoutingTrace, pool_slots: int, tier_blocks: int) -> StepLoads:
+    """Loads per decode token of the trace's last request (the earlier requests warm the cache)."""
+    last_start = trace.request_bounds()[-1][0]
+    measured_tokens = (np.arange(trace.n_tokens) >= last_start) & ~trace.prefill
+    measured = np.repeat(measured_tokens, trace.n_layers).tolist()
+    total = replay(trace.steps(), measured, pool_slots, tier_blocks)
+    return _per(total, int(measured_tokens.sum()))
+
+
+def ubatch_steps(inclusion: np.ndarray, n_tokens: int, n_ubatch: int, rng: np.random.Generator):
+    """Cache steps of one prompt of ``n_tokens``: per ubatch, per layer, the experts drawn present."""
+    steps = []
+    for start in range(0, n_tokens, n_ubatch):
+        size = min(n_ubatch, n_tokens - start)
+        present = rng.random(inclusion.shape) < 1 - (1 - np.minimum(inclusion, 1.0)) ** size
+        steps += [[(layer, int(e)) for e in np.flatnonzero(row)] for layer, row in enumerate(present)]
+    return steps
+
+
+def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: int, tier_blocks: int,
+                  seed: int = TRACE_SEED) -> StepLoads:
+    """Loads per ubatch of a prompt of ``n_tokens`` after one such prompt warmed the cache."""
+    inclusion = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k).inclusion()
+    rng = np.random.default_rng(seed)
+    warm, measured = (ubatch_steps(inclusion, n_tokens, n_ubatch, rng) for _ in range(2))
+    total = replay(warm + measured, [False] * len(warm) + [True] * len(measured), pool_slots, tier_blocks)
+    return _per(total, -(-n_tokens // n_ubatch))
+
+
+def _per(total: StepLoads, n: int) -> StepLoads:
+    n = max(n, 1)
+    return StepLoads(total.lookups / n, total.pool_hits / n, total.ram_hits / n, total.ssd_reads / n)

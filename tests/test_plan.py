@@ -1,0 +1,313 @@
+"""``llamapack plan``: the speed model's pieces on hand-built figures, the hit-rate replay, the recommender's
+choices and refusals, the probe cache, and the CLI end to end on a tiny model with a recorded probe (no GPU)."""
+from __future__ import annotations
+
+import llama_cpp  # noqa: F401 - before numpy: this file also runs `llamapack run --auto` (docs/hook.md)
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llamapack.cli import main
+from llamapack.errors import CapacityError, PackIOError
+from llamapack.plan import hits, probe, recommend
+from llamapack.plan.model import (DEFAULT_COSTS, MIB, REF_ACTIVE_BYTES, REF_EXPERT_BYTES, Budgets, Machine, ModelShape,
+                                  StepLoads, decode_compute_s, decode_time, prefill_compute_s, prefill_time)
+
+STRIDE = 2654208  # 2.53 MiB, the Qwen3-30B-shaped model's block
+QWEN30B = ModelShape("q30b", 48, 128, 8, STRIDE, STRIDE, REF_EXPERT_BYTES, int(17.46e9 - 16.31e9), 98304)
+GPU = Machine(free_vram_bytes=80 << 30, spare_ram_bytes=64 << 30, disk_bytes_per_s=1.1e9, h2d_bytes_per_s=20e9,
+              cpu_read_bytes_per_s=20e9, cpu_flops=5e11)
+HOST = replace(GPU, free_vram_bytes=None, h2d_bytes_per_s=None)
+
+
+def loads(ssd: float, ram: float = 0.0, lookups: float = 384.0) -> StepLoads:
+    return StepLoads(lookups, lookups - ssd - ram, ram, ssd)
+
+
+# -- the model's pieces
+
+def test_all_hit_decode_is_compute_plus_hook_overhead():
+    for machine in (GPU, HOST):
+        split = decode_time(QWEN30B, machine, loads(0))
+        hook = DEFAULT_COSTS.gpu_hook_s_per_layer if machine.gpu else DEFAULT_COSTS.host_hook_s_per_layer
+        assert split.ssd == split.ram == 0
+        assert split.total == pytest.approx(decode_compute_s(QWEN30B, machine) + 48 * hook)
+
+
+def test_reference_model_reproduces_the_measured_figures():
+    assert QWEN30B.active_bytes == pytest.approx(REF_ACTIVE_BYTES)
+    assert 1 / decode_compute_s(QWEN30B, GPU) == pytest.approx(221.20)        # vanilla-vram
+    assert 1 / decode_time(QWEN30B, GPU, loads(0)).total == pytest.approx(111.83)  # pack-100%
+    assert 512 / prefill_compute_s(QWEN30B, GPU, 512, 512) == pytest.approx(1929.1)
+
+
+def test_decode_is_monotonic_in_hit_rate_and_disk_speed():
+    rates = [1 / decode_time(QWEN30B, GPU, loads(ssd)).total for ssd in (0, 5, 20, 80, 200)]
+    assert rates == sorted(rates, reverse=True) and len(set(rates)) == len(rates)
+    disks = [1 / decode_time(QWEN30B, replace(GPU, disk_bytes_per_s=bw), loads(25)).total for bw in (0.5e9, 1e9, 4e9)]
+    assert disks == sorted(disks) and len(set(disks)) == 3
+
+
+def test_miss_costs_are_bytes_over_rates():
+    split = decode_time(QWEN30B, GPU, loads(ssd=10, ram=30))
+    assert split.ssd == pytest.approx(10 * STRIDE / 1.1e9)
+    assert split.ram == pytest.approx(30 * STRIDE / 20e9)
+    assert split.ram < decode_time(QWEN30B, GPU, loads(ssd=40)).ssd  # a RAM-tier hit is cheaper than a read
+
+
+def test_io_overlap_hides_reads_under_compute():
+    full = replace(DEFAULT_COSTS, io_overlap=1.0)
+    serial, hidden = decode_time(QWEN30B, GPU, loads(25)), decode_time(QWEN30B, GPU, loads(25), full)
+    assert hidden.total == pytest.approx(max(serial.ssd + serial.ram, serial.compute + serial.hook))
+
+
+def test_prefill_ubatches_and_compute():
+    one = prefill_compute_s(QWEN30B, GPU, 16, 1)
+    assert one == pytest.approx(16 * decode_compute_s(QWEN30B, GPU))  # ubatch 1 is decode
+    assert prefill_compute_s(QWEN30B, GPU, 4096, 512) < prefill_compute_s(QWEN30B, GPU, 4096, 64) < one * 256
+    per_ubatch = loads(ssd=1000, lookups=6000)
+    small, large = prefill_time(QWEN30B, GPU, 4096, 256, per_ubatch), prefill_time(QWEN30B, GPU, 4096, 512, per_ubatch)
+    assert small.hook == pytest.approx(2 * large.hook) and small.ssd == pytest.approx(2 * large.ssd)
+    assert large.ssd == pytest.approx(8 * 1000 * STRIDE / 1.1e9)
+    cpu = prefill_compute_s(QWEN30B, HOST, 512, 512)
+    assert cpu == pytest.approx(512 * 2 * QWEN30B.active_bytes * DEFAULT_COSTS.cpu_weights_per_byte / 5e11)
+
+
+# -- hit rates
+
+def test_shape_counts_shipped_or_resampled():
+    assert hits.shape_counts(48, 128, 8).source == hits._shipped("qwen3-30b-a3b").source
+    counts = hits.shape_counts(6, 24, 3)
+    inclusion = counts.inclusion()
+    assert inclusion.shape == (6, 24) and np.allclose(inclusion.sum(axis=1), 3) and inclusion.max() <= 1
+    assert (np.diff(inclusion, axis=1) <= 1e-12).all()  # sorted: the popularity curve, most popular first
+
+
+def test_cap_shares_keeps_the_sum():
+    capped = hits.cap_shares(np.array([3.0, 1.0, 0.5, 0.5, 0.4, 0.3, 0.2, 0.1]))
+    assert capped.max() <= 1 and capped.sum() == pytest.approx(6.0) and capped[0] == 1
+    assert (np.diff(capped) <= 1e-12).all()  # the order is kept
+
+
+def test_replay_pool_and_tier():
+    steps = [[(0, 1), (0, 2)], [(1, 1)], [(0, 1), (0, 3)], [(1, 1), (1, 2)]] * 3
+    everything = hits.replay(steps, [False] * 4 + [True] * 8, pool_slots=16, tier_blocks=0)
+    assert everything.ssd_reads == 0 and everything.pool_hit_rate == 1  # warm and big enough: all hits
+    tight = hits.replay(steps, [True] * 12, pool_slots=2, tier_blocks=8)
+    assert tight.ram_hits > 0 and tight.ram_hits + tight.ssd_reads + tight.pool_hits == tight.lookups
+
+
+def test_decode_and_prefill_loads_on_a_small_shape(tmp_path):
+    shape = ModelShape("small", 4, 16, 4, 1 << 20, 1 << 20, 1e6, 1 << 24)
+    trace = hits.decode_trace(shape, tmp_path)
+    assert list(tmp_path.iterdir()) and hits.decode_trace(shape, tmp_path).n_tokens == trace.n_tokens  # cached
+    small, big = hits.decode_loads(trace, 16, 0), hits.decode_loads(trace, 64, 0)
+    assert big.ssd_reads == 0 < small.ssd_reads and big.lookups == small.lookups == 16
+    prefill = hits.prefill_loads(shape, 512, 64, 64, 0)
+    assert prefill.ssd_reads == 0 and 48 < prefill.lookups <= 64  # 64 tokens x top-4: most of each layer's 16
+    assert hits.prefill_loads(shape, 512, 64, 16, 0).ssd_reads > 0
+
+
+# -- recommendations and refusals
+
+def test_recommend_gpu_pool_tier_and_ubatch():
+    machine = replace(GPU, free_vram_bytes=8 << 30, spare_ram_bytes=8 << 30)
+    budgets = recommend.recommend(QWEN30B, machine, 4096)
+    room = (8 << 30) - QWEN30B.nonexpert_bytes - 98304 * 4096 - recommend.VRAM_RESERVE_BYTES
+    assert budgets.pool_slots == room // STRIDE and budgets.gpu
+    assert budgets.tier_blocks == (4 << 30) // STRIDE and budgets.n_ubatch == 512
+    settings = budgets.settings(QWEN30B)
+    assert settings["cache_vram_mib"] == pytest.approx(budgets.pool_slots * STRIDE / MIB, abs=0.1)
+    assert settings["ram_cache_mib"] == pytest.approx(budgets.tier_blocks * STRIDE / MIB, abs=0.1)
+
+
+def test_recommend_whole_model_needs_no_tier_and_host_pool_has_none():
+    assert recommend.recommend(QWEN30B, GPU, 4096) == Budgets(QWEN30B.n_blocks, 0, 512, True)
+    host = recommend.recommend(QWEN30B, replace(HOST, spare_ram_bytes=12 << 30), 4096)
+    assert not host.gpu and host.tier_blocks == 0 and 0 < host.pool_slots < QWEN30B.n_blocks
+
+
+def test_fitting_ubatch_follows_the_pool():
+    assert recommend.fitting_ubatch(QWEN30B, 128) == 512  # a layer's 128 experts fit: any ubatch
+    assert recommend.fitting_ubatch(QWEN30B, 64) == 8     # 8 tokens x top-8 = 64
+    assert recommend.fitting_ubatch(QWEN30B, 8) == 1
+    assert recommend.fitting_ubatch(QWEN30B, 600, tier_blocks=40) == 4
+
+
+def test_refusal_names_the_short_vram():
+    need = 8 * STRIDE
+    free = QWEN30B.nonexpert_bytes + 98304 * 4096 + recommend.VRAM_RESERVE_BYTES + need - (5 << 20)
+    with pytest.raises(CapacityError) as caught:
+        recommend.recommend(QWEN30B, replace(GPU, free_vram_bytes=free), 4096)
+    message = str(caught.value)
+    assert message.startswith("VRAM is short") and "8 experts x 2.53 MiB = 20 MiB" in message
+    assert "5 MiB short" in message and "1,024 MiB reserve" in message
+
+
+def test_refusal_names_the_short_ram_for_a_host_pool():
+    with pytest.raises(CapacityError, match=r"^RAM is short .* short$"):
+        recommend.recommend(QWEN30B, replace(HOST, spare_ram_bytes=QWEN30B.nonexpert_bytes), 4096)
+
+
+def test_alternatives_start_with_the_recommendation():
+    chosen = Budgets(1536, 1200, 512, True)
+    labels = [label for label, _ in recommend.alternatives(QWEN30B, chosen)]
+    assert labels == ["recommended", "no RAM tier", "pool / 2", "pool / 4"]
+    assert [label for label, _ in recommend.alternatives(QWEN30B, Budgets(12, 0, 1, True))] == ["recommended"]
+
+
+# -- the probe
+
+def test_cache_root_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert probe.cache_root() == tmp_path / "llamapack"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert str(probe.cache_root()).endswith(".cache/llamapack")
+
+
+def recorded_probe(cache_dir, target: probe.DiskTarget, disk_bytes_per_s: float = 1.1e9) -> None:
+    """A probe file as a machine without a GPU records it."""
+    probe.save_cache(probe.probe_file(cache_dir), {
+        "disks": {target.key: {"bytes_per_s": disk_bytes_per_s, "block_bytes": target.block_bytes, "threads": 4,
+                               "path": target.path, "when": 0}},
+        "cpu": {"read_bytes_per_s": 20e9, "flops": 2e11}})
+
+
+def test_probe_uses_the_recorded_figures(tmp_path):
+    data = tmp_path / "blocks.bin"
+    data.write_bytes(bytes(1 << 16))
+    target = probe.DiskTarget(str(data), 4096, 0, 16)
+    recorded_probe(tmp_path, target, 2.5e9)
+    steps = []
+    report = probe.probe(target, cache_dir=tmp_path, use_gpu=False, step=steps.append)
+    assert steps == [] and report.measured == ()
+    assert report.machine.disk_bytes_per_s == 2.5e9 and report.machine.free_vram_bytes is None
+    assert report.machine.spare_ram_bytes > 0
+
+
+def test_reprobe_measures_the_disk_again(tmp_path):
+    data = tmp_path / "blocks.bin"
+    data.write_bytes(bytes(1 << 16))
+    target = probe.DiskTarget(str(data), 4096, 0, 16)
+    recorded_probe(tmp_path, target, 2.5e9)
+    try:
+        report = probe.probe(target, cache_dir=tmp_path, use_gpu=False, reprobe=True)
+    except PackIOError as exc:  # this filesystem has no O_DIRECT: the refusal is what the plan says then
+        assert "O_DIRECT" in str(exc)
+        return
+    assert report.measured == ("disk", "cpu") and report.machine.disk_bytes_per_s != 2.5e9
+    assert json.loads(probe.probe_file(tmp_path).read_text())["disks"][target.key]["bytes_per_s"] != 2.5e9
+
+
+def test_disk_without_o_direct_is_refused(monkeypatch, tmp_path):
+    def no_direct(path, *args, **kwargs):
+        raise PackIOError(f"{path}: the filesystem refuses O_DIRECT (open failed with EINVAL; e.g. tmpfs/procfs)")
+
+    monkeypatch.setattr(probe, "random_read_bandwidth", no_direct)
+    data = tmp_path / "blocks.bin"
+    data.write_bytes(bytes(8192))
+    with pytest.raises(PackIOError, match="cannot run from .*refuses O_DIRECT"):
+        probe.probe(probe.DiskTarget(str(data), 4096, 0, 2), cache_dir=tmp_path, use_gpu=False)
+
+
+# -- the CLI, end to end on a tiny synthetic model
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan")
+    model = folder / "tiny.gguf"
+    runner = CliRunner()
+    assert runner.invoke(main, ["synth", "qwen3moe-tiny", "-o", str(model)]).exit_code == 0
+    result = runner.invoke(main, ["pack", str(model), "-q", "--safety-margin-mib", "0"])
+    assert result.exit_code == 0, result.output
+    return model
+
+
+@pytest.fixture
+def recorded(tiny, tmp_path, monkeypatch):
+    """XDG_CACHE_HOME in tmp_path with a recorded probe of the tiny pack's disk; no GPU seen."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(probe, "import_cupy_device", lambda: None)
+    target = probe.disk_target(str(tiny), str(tiny.with_suffix(".expert-pack")))
+    recorded_probe(probe.cache_root() / "probe", target)
+    return tiny
+
+
+def test_plan_table(recorded):
+    result = CliRunner().invoke(main, ["plan", str(recorded), "--pack", "-q"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("model: tiny: 4 MoE layers x 16 experts, top-4")
+    assert "no GPU (host pool)" in lines[1] and "disk 1.10 GB/s" in lines[1] and "cached" in lines[2]
+    header = next(line for line in lines if line.startswith("config"))
+    assert "decode tok/s" in header and "prefill 4096" in header
+    assert any(line.startswith("recommended ") for line in lines)
+    assert any("hybrid mode" in line and "does not exist yet" in line for line in lines)
+
+
+def test_plan_json_has_decode_predictions(recorded):
+    result = CliRunner().invoke(main, ["plan", str(recorded), "--pack", "-q", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    first = plan["predictions"][0]
+    assert first["label"] == "recommended" and first["settings"] == plan["recommended"]
+    decode_keys = [key for key in first if "decode" in key]
+    assert {"decode_tok_s", "decode_pool_hit_rate", "decode_ssd_bytes_per_token"} <= set(decode_keys)
+    assert first["decode_tok_s"] > 0 and math.isfinite(first["prefill_512_tok_s"])
+    assert plan["machine"]["free_vram_bytes"] is None and plan["machine"]["measured_now"] == []
+    assert plan["recommended"]["ram_cache_mib"] is None  # host pool: no tier
+    rates = [p["decode_tok_s"] for p in plan["predictions"]]
+    assert rates == sorted(rates, reverse=True)  # smaller pools, slower
+
+
+def test_plan_gguf_direct_and_refusal(recorded, monkeypatch):
+    result = CliRunner().invoke(main, ["plan", str(recorded), "-q"])
+    assert result.exit_code == 0, result.output
+    monkeypatch.setattr(probe, "spare_ram_bytes", lambda: 30 << 20)
+    result = CliRunner().invoke(main, ["plan", str(recorded), "--pack", "-q"])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: RAM is short for tiny") and result.output.rstrip().endswith("short")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_run_auto_prints_and_applies_the_plan(recorded):
+    args = ["run", str(recorded), "--pack", "--auto", "-p", "Once upon a time", "-n", "4", "--temp", "0", "-t", "2",
+            "-c", "256", "--no-warm-start"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    said = next(line for line in result.stderr.splitlines() if line.startswith("--auto (llamapack plan): "))
+    assert "cache_vram_mib=" in said and "ram_cache_mib=None" in said and "n_ubatch=512" in said
+    assert "64 slots" in result.stderr  # the tiny model's 4 x 16 experts all fit the chosen cache
+    clash = CliRunner().invoke(main, [*args, "--cache-slots", "8"])
+    assert clash.exit_code == 1 and "--auto chooses --cache-slots" in clash.output
+
+
+def test_serve_auto_prints_and_applies_the_plan(recorded, monkeypatch):
+    import llamapack.server.wsgi as wsgi
+
+    class NoServer:
+        port = 0
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(wsgi, "make_server", lambda *args, **kwargs: NoServer())
+    result = CliRunner().invoke(main, ["serve", str(recorded), "--pack", "--auto", "-c", "256", "-t", "2"])
+    assert result.exit_code == 0, result.output
+    assert any(line.startswith("--auto (llamapack plan): cache_vram_mib=") for line in result.stderr.splitlines())
+    refused = CliRunner().invoke(main, ["serve", str(recorded), "--auto"])
+    assert refused.exit_code == 1 and "--auto sizes the expert cache: give --pack or --gguf-direct" in refused.output
+
+
+def test_settings_give_back_the_same_slot_counts():
+    shape = ModelShape("odd", 3, 7, 2, 4096 * 97, 4096 * 131, 3e5, 1 << 20)
+    for slots, blocks in ((7, 0), (13, 9), (21, 21)):
+        settings = Budgets(slots, blocks, 1, True).settings(shape)
+        assert int(settings["cache_vram_mib"] * MIB) // shape.slot_bytes == slots
+        if blocks:
+            assert int(settings["ram_cache_mib"] * MIB) // shape.block_bytes == blocks
