@@ -94,20 +94,22 @@ def decode_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) 
     return trace
 
 
-def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots: int, tier_blocks: int) -> StepLoads:
-    """Sum the loads of the ``measured`` steps after replaying all of ``steps`` through a pool of ``pool_slots``
-    and a tier of ``tier_blocks`` (0: none), each with the default policy."""
+def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots: int, tier_blocks: int,
+           n_tokens: int = 1) -> StepLoads:
+    """Sum the loads of the ``measured`` steps after replaying all of ``steps`` (each of ``n_tokens`` tokens, as the
+    provider tells the policies) through a pool of ``pool_slots`` and a tier of ``tier_blocks`` (0: none), each
+    with the default policy."""
     pool = cache_policy.DEFAULT_POLICY(pool_slots)
     tier = cache_policy.DEFAULT_POLICY(tier_blocks) if tier_blocks else None
     lookups = pool_hits = ram_hits = ssd_reads = 0
     for step, counted in zip(steps, measured):
         if not step:
             continue
-        plan = pool.acquire(step)
+        plan = pool.acquire(step, n_tokens=n_tokens)
         misses = [a.key for a in plan.assignments if not a.hit]
         from_ram = 0
         if tier is not None and misses:
-            from_ram = tier.acquire(misses).hits
+            from_ram = tier.acquire(misses, n_tokens=n_tokens).hits
         if counted:
             lookups += len(plan.assignments)
             pool_hits += plan.hits
@@ -141,7 +143,8 @@ def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: i
     inclusion = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k).inclusion()
     rng = np.random.default_rng(seed)
     warm, measured = (ubatch_steps(inclusion, n_tokens, n_ubatch, rng) for _ in range(2))
-    total = replay(warm + measured, [False] * len(warm) + [True] * len(measured), pool_slots, tier_blocks)
+    total = replay(warm + measured, [False] * len(warm) + [True] * len(measured), pool_slots, tier_blocks,
+                   n_tokens=min(n_tokens, n_ubatch))
     return _per(total, -(-n_tokens // n_ubatch))
 
 
