@@ -51,6 +51,7 @@ SPEC = dataclasses.replace(QWEN3MOE_TINY, name="qwen3moe-48x128-tiny", n_layer=4
                            n_ff_exp=64, expert_quant=(Q8,), output_type=Q8.down,
                            description="qwen3moe-tiny with Qwen3-30B-A3B's MoE shape (48 x 128 experts, top-8)")
 N_PROMPT = 16
+PROFILE_SORT = "tottime"
 
 
 def timed_acquires(provider, samples: list) -> None:
@@ -117,7 +118,7 @@ def measure(model: Path, pack: Path, fraction: float, n_tokens: int, warmup: int
         decode_ms_per_token=1e3 * decode_s / n_tokens)
     if profiler:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profiler, stream=text).sort_stats(PROFILE_SORT).print_stats(30)
         result["profile"] = text.getvalue()
     return result
 

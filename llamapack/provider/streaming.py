@@ -116,7 +116,8 @@ class StreamingProvider:
             if spare is not None:
                 log.info("RAM tier (auto): %d expert blocks, %.0f MiB of %.0f MiB spare", n_blocks,
                          n_blocks * self._stride / MIB, spare / MIB)
-            self.tier = HostTier(n_blocks, policy_class(settings.cache_policy)) if n_blocks else None
+            self.tier = HostTier(n_blocks, policy_class(settings.cache_policy),
+                                 n_keys=pack_layout.num_experts * len(loaded_layers)) if n_blocks else None
             n_buffers = n_blocks or settings.stage_slots  # the copier's buffers: RAM blocks, or staging buffers
             n_lookahead = settings.prefetch_slots if settings.prefetch else 0  # ... then the lookahead buffers
             self.book = PrefetchBook(range(n_buffers, n_buffers + n_lookahead)) if n_lookahead else None
@@ -422,6 +423,9 @@ class StreamingProvider:
         plan = self.tier.plan([load.key for load in loads], n_tokens=self._step_tokens)
         self.counters.record_ram(len(plan.hits), len(plan.misses), plan.evictions)
         load_of = {load.key: load for load in loads}
+        if not ahead:
+            return (deque((load_of[key], block) for key, block in plan.hits),
+                    deque((load_of[key], block) for key, block in plan.misses), plan, {})
         # a read-ahead key the tier already holds (a hit) is copied from its lookahead buffer all the same
         return (deque((load_of[key], block) for key, block in plan.hits if key not in ahead),
                 deque((load_of[key], block) for key, block in plan.misses if key not in ahead), plan,
