@@ -102,6 +102,10 @@ class NextUsePolicy:
         self._tally = np.array([np.full(horizon + 2, 0.25), np.ones(horizon + 2)])
         self._used, self._seen = self._tally  # views: updated in place only
         self._older = np.minimum(np.arange(horizon + 2) + 1, horizon + 1)  # age -> age one visit later (capped)
+        # the constants of the per-visit updates as arrays: numpy multiplies array by array faster than by a float
+        self._rate_decays = np.full((2, horizon + 2), self._rate_decay)
+        self._decays = np.zeros(0)  # self._decay per expert id (as long as the longest layer's counts)
+        self._tiny = np.full(horizon + 2, 1e-300)
         self._slot_of: dict[Key, int] = {}
         self._free_slots: list[int] = list(range(n_slots))  # a min-heap
         self._layers: dict[int, _Layer] = {}
@@ -231,7 +235,7 @@ class NextUsePolicy:
     def _weights(self, layer: _Layer) -> np.ndarray:
         """weight[a] = rate[a] / mean count of the layer's keys of age a (p = weight[age] * count)."""
         return self._used * layer.classes / np.maximum(
-            self._seen * np.bincount(layer.ages, layer.counts, self.horizon + 2), 1e-300)
+            self._seen * np.bincount(layer.ages, layer.counts, self.horizon + 2), self._tiny)
 
     # -- internals
     def _visit(self, number: int, experts: list[int], learn: bool = True) -> _Layer:
@@ -254,10 +258,12 @@ class NextUsePolicy:
         ids = np.array(experts, dtype=np.intp)
         counts = layer.counts
         # what this visit teaches: the share of each age class that it used (classes: integer counts)
-        self._tally *= self._rate_decay  # _used and _seen
+        self._tally *= self._rate_decays  # _used and _seen
         self._seen += layer.classes
         self._used += np.bincount(layer.ages[ids], minlength=cap + 1)
-        counts *= self._decay
+        if len(self._decays) < len(counts):
+            self._decays = np.full(len(counts), self._decay)
+        counts *= self._decays if len(self._decays) == len(counts) else self._decays[:len(counts)]
         counts[ids] += 1.0
         layer.ages = ages = self._older[layer.ages]  # one visit older, capped at horizon + 1
         ages[ids] = 1
