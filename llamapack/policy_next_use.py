@@ -48,6 +48,7 @@ DEFAULT_HALF_LIFE = 32  # visits of a layer (decode tokens): how long popularity
 DEFAULT_HORIZON = 32  # age classes 1..32 visits, then "older or never"
 DEFAULT_RATE_HALF_LIFE = 1024  # acquires: memory of the reuse rate per age class
 _RECOMPUTE = -math.inf  # a layer heap entry's -next_use that says "compute me when popped"
+_new_tuple = tuple.__new__  # SlotAssignment(...) without the namedtuple's Python-level __new__ (hot path)
 
 
 class _Layer:
@@ -61,7 +62,7 @@ class _Layer:
         self.visits = 0.0  # decayed like the counts: counts / visits is a key's share of the layer's visits
         self.counts = np.zeros(0)
         self.ages = np.zeros(0, dtype=np.intp)  # visits since last use as of the next visit, capped at horizon + 1
-        self.classes = np.zeros(horizon + 2)  # how many experts of each age there are (bincount of ages)
+        self.classes = np.zeros(horizon + 2, dtype=np.intp)  # how many experts of each age (bincount of ages)
         self.members: set[int] = set()  # resident expert ids
         self.weight = np.zeros(horizon + 2)  # p = weight[age] * count, as of the latest visit
         self.step_keys: list[int] = []  # the experts of its latest visit
@@ -96,9 +97,15 @@ class NextUsePolicy:
         self.n_slots, self.half_life, self.horizon = n_slots, half_life, horizon
         self._decay = 2.0 ** (-1.0 / half_life)
         self._rate_decay = 2.0 ** (-1.0 / rate_half_life)
-        # keys used / keys seen per age class (index 1..horizon + 1; 0 unused): a weak prior of 1 in 4
-        self._used = np.full(horizon + 2, 0.25)
-        self._seen = np.ones(horizon + 2)
+        # keys used / keys seen per age class (index 1..horizon + 1; 0 unused): a weak prior of 1 in 4; two rows
+        # of one array, so that one multiplication decays both
+        self._tally = np.array([np.full(horizon + 2, 0.25), np.ones(horizon + 2)])
+        self._used, self._seen = self._tally  # views: updated in place only
+        self._older = np.minimum(np.arange(horizon + 2) + 1, horizon + 1)  # age -> age one visit later (capped)
+        # the constants of the per-visit updates as arrays: numpy multiplies array by array faster than by a float
+        self._rate_decays = np.full((2, horizon + 2), self._rate_decay)
+        self._decays = np.zeros(0)  # self._decay per expert id (as long as the longest layer's counts)
+        self._tiny = np.full(horizon + 2, 1e-300)
         self._slot_of: dict[Key, int] = {}
         self._free_slots: list[int] = list(range(n_slots))  # a min-heap
         self._layers: dict[int, _Layer] = {}
@@ -118,23 +125,24 @@ class NextUsePolicy:
         for layer, expert in wanted:
             by_layer.setdefault(layer, []).append(expert)
         visited = [(number, self._visit(number, experts, learn=n_tokens == 1)) for number, experts in by_layer.items()]
-        pinned = set(wanted)
+        slot_of = self._slot_of
+        pinned = None  # the step's keys, as a set once a victim is looked for
         assignments, evictions = [], []
         try:
             for key in wanted:
-                slot = self._slot_of.get(key)
+                slot = slot_of.get(key)
                 hit = slot is not None
                 if not hit:
                     if self._free_slots:
                         slot = heapq.heappop(self._free_slots)
                     else:
-                        victim = self._pop_victim(pinned)
-                        slot = self._slot_of.pop(victim)
+                        victim = self._pop_victim(pinned if pinned is not None else (pinned := set(wanted)))
+                        slot = slot_of.pop(victim)
                         self._layers[victim[0]].members.discard(victim[1])
                         evictions.append(Eviction(victim, slot))
-                    self._slot_of[key] = slot
+                    slot_of[key] = slot
                     self._layers[key[0]].members.add(key[1])
-                assignments.append(SlotAssignment(key, slot, hit))
+                assignments.append(_new_tuple(SlotAssignment, (key, slot, hit)))  # SlotAssignment(key, slot, hit)
         finally:
             for number, layer in visited:  # its pins are released: its front may be a pinned key now
                 self._queue(number, layer)
@@ -227,7 +235,7 @@ class NextUsePolicy:
     def _weights(self, layer: _Layer) -> np.ndarray:
         """weight[a] = rate[a] / mean count of the layer's keys of age a (p = weight[age] * count)."""
         return self._used * layer.classes / np.maximum(
-            self._seen * np.bincount(layer.ages, layer.counts, self.horizon + 2), 1e-300)
+            self._seen * np.bincount(layer.ages, layer.counts, self.horizon + 2), self._tiny)
 
     # -- internals
     def _visit(self, number: int, experts: list[int], learn: bool = True) -> _Layer:
@@ -248,18 +256,18 @@ class NextUsePolicy:
             return layer
         layer.visits = layer.visits * self._decay + 1.0
         ids = np.array(experts, dtype=np.intp)
-        counts, ages = layer.counts, layer.ages
-        # what this visit teaches: the share of each age class that it used
-        self._seen *= self._rate_decay
+        counts = layer.counts
+        # what this visit teaches: the share of each age class that it used (classes: integer counts)
+        self._tally *= self._rate_decays  # _used and _seen
         self._seen += layer.classes
-        self._used *= self._rate_decay
-        self._used += np.bincount(ages[ids], minlength=cap + 1)
-        counts *= self._decay
+        self._used += np.bincount(layer.ages[ids], minlength=cap + 1)
+        if len(self._decays) < len(counts):
+            self._decays = np.full(len(counts), self._decay)
+        counts *= self._decays if len(self._decays) == len(counts) else self._decays[:len(counts)]
         counts[ids] += 1.0
-        ages += 1
-        np.minimum(ages, cap, out=ages)
+        layer.ages = ages = self._older[layer.ages]  # one visit older, capped at horizon + 1
         ages[ids] = 1
-        layer.classes = np.bincount(ages, minlength=cap + 1).astype(float)
+        layer.classes = np.bincount(ages, minlength=cap + 1)
         # p = weight[a] * f with weight[a] = rate[a] / mean f of class a; the keys are ranked when a victim is
         # first looked for among them (often never before the next visit: an all-hit step costs no ranking)
         layer.weight = self._weights(layer)

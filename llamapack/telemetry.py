@@ -91,6 +91,7 @@ class ProviderCounters:
 
 
 COUNTER_NAMES = tuple(f.name for f in fields(ProviderCounters))
+WAIT_COUNTERS = frozenset(("read_wait_s", "copy_wait_s", "provide_s", "lookahead_s"))
 
 
 class CounterAccumulator:
@@ -112,7 +113,15 @@ class CounterAccumulator:
                 self._values[name] += delta
 
     def record_acquire(self, hits: int, misses: int, evictions: int, tokens: int = 0) -> None:
-        self.add(acquires=1, cache_hits=hits, cache_misses=misses, cache_evictions=evictions, tokens=tokens)
+        if min(hits, misses, evictions, tokens) < 0:
+            raise ValueError(f"acquire counts can only grow (got {hits}, {misses}, {evictions}, {tokens})")
+        with self._lock:  # once per MoE layer per token: no keyword loop
+            values = self._values
+            values["acquires"] += 1
+            values["cache_hits"] += hits
+            values["cache_misses"] += misses
+            values["cache_evictions"] += evictions
+            values["tokens"] += tokens
 
     def record_read(self, nbytes: int, wait_s: float = 0.0) -> None:
         self.add(pack_read_bytes=nbytes, read_wait_s=wait_s)
@@ -121,7 +130,20 @@ class CounterAccumulator:
         self.add(h2d_bytes=nbytes, copy_wait_s=wait_s)
 
     def record_ram(self, hits: int, misses: int, evictions: int) -> None:
-        self.add(ram_hits=hits, ram_misses=misses, ram_evictions=evictions)
+        if min(hits, misses, evictions) < 0:
+            raise ValueError(f"RAM tier counts can only grow (got {hits}, {misses}, {evictions})")
+        with self._lock:
+            values = self._values
+            values["ram_hits"] += hits
+            values["ram_misses"] += misses
+            values["ram_evictions"] += evictions
+
+    def add_seconds(self, wait_counter: str, seconds: float) -> None:
+        """What ``timing`` adds, for a hot path that reads the clock itself (no context manager)."""
+        if wait_counter not in WAIT_COUNTERS:
+            raise TypeError(f"not a wait counter: {wait_counter!r}")
+        with self._lock:
+            self._values[wait_counter] += seconds
 
     def record_fallback(self) -> None:
         self.add(fallback_count=1)
@@ -133,7 +155,7 @@ class CounterAccumulator:
     def timing(self, wait_counter: str) -> Iterator[None]:
         """Add the seconds the ``with`` body takes to ``wait_counter`` (``read_wait_s``, ``copy_wait_s`` or
         ``provide_s``)."""
-        if wait_counter not in ("read_wait_s", "copy_wait_s", "provide_s", "lookahead_s"):
+        if wait_counter not in WAIT_COUNTERS:
             raise TypeError(f"not a wait counter: {wait_counter!r}")
         started = time.perf_counter()
         try:

@@ -41,6 +41,23 @@ def test_tier_plan_hits_misses_evictions_and_abandon():
         tier.plan([(3, e) for e in range(4)])
 
 
+def test_a_tier_of_every_key_plans_as_the_policy_does():
+    """A tier that holds every key skips its policy on all-hit steps: the plans stay those of the plain tier."""
+    rng = np.random.default_rng(0)
+    n_layers, n_experts = 3, 8
+    plain, every = HostTier(n_layers * n_experts), HostTier(n_layers * n_experts, n_keys=n_layers * n_experts)
+    assert every.holds_every_key and not plain.holds_every_key
+    for step in range(300):
+        layer = step % n_layers
+        keys = [(layer, int(e)) for e in rng.choice(n_experts, 3, replace=False)]
+        keys += keys[:1]  # a repeat, as a caller might pass
+        expected = plain.plan(keys, n_tokens=1)
+        assert every.plan(keys, n_tokens=1) == expected and expected.evictions == 0
+        if step % 7 == 0 and expected.misses:  # a failed read
+            assert plain.abandon(expected.misses[0][0]) and every.abandon(expected.misses[0][0])
+        assert every.resident() == plain.resident()
+
+
 def test_tier_blocks_budget_and_setting():
     stride = 3 * MIB
     host = dict(block_bytes=stride, n_expert=16, n_moe_layers=4, n_expert_used=4, n_ubatch=7)

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cache_policy import DEFAULT_POLICY, CachePolicy, Key
+from ..cache_policy import DEFAULT_POLICY, CachePolicy, Key, distinct_keys
 from ..errors import CapacityError
 from .settings import MIB, StreamingSettings
 
@@ -41,14 +41,26 @@ class TierPlan:
 
 class HostTier:
     """``n_blocks`` RAM blocks of whole experts, managed by a cache policy (a block id is a policy slot):
-    ``policy_class``, the default policy unless told otherwise."""
+    ``policy_class``, the default policy unless told otherwise.
 
-    def __init__(self, n_blocks: int, policy_class: Callable[[int], CachePolicy] = DEFAULT_POLICY):
+    ``n_keys``: how many distinct keys there can be (layers x experts served), if known. A tier of at least
+    that many blocks never evicts, so its policy's estimate never decides anything: a step whose keys are all
+    in RAM then skips the policy (same plan, no estimate update); misses still go through it (free blocks,
+    lowest first)."""
+
+    def __init__(self, n_blocks: int, policy_class: Callable[[int], CachePolicy] = DEFAULT_POLICY,
+                 n_keys: int | None = None):
         self.n_blocks = n_blocks
         self.policy = policy_class(n_blocks)
+        self.holds_every_key = n_keys is not None and n_blocks >= n_keys
 
     def plan(self, keys: Sequence[Key], n_tokens: int = 1) -> TierPlan:
         """Where each of ``keys`` (distinct slot-pool misses of one step) comes from; pins them for the step."""
+        if self.holds_every_key:
+            keys = distinct_keys(keys)
+            blocks = [self.policy.slot_of(key) for key in keys]
+            if None not in blocks:  # all RAM hits, and no eviction can ever happen: nothing to decide
+                return TierPlan(tuple(zip(keys, blocks)), (), 0)
         plan = self.policy.acquire(keys, n_tokens=n_tokens)
         hits = tuple((a.key, a.slot) for a in plan.assignments if a.hit)
         misses = tuple((a.key, a.slot) for a in plan.assignments if not a.hit)

@@ -106,13 +106,18 @@ class StreamingProvider:
             self._first_layer = loaded_layers[0]
             self._segments = {entry.layer: tuple((role.role, role.offset, role.nbytes) for role in entry.roles)
                               for entry in pack_layout.layers}
+            # per layer, per role: (pool offset of slot 0, slot stride, offset in the block, nbytes) for _copy
+            self._copy_spans = {layer: tuple((self.layout.role_region[role], self.layout.role_stride[role], offset,
+                                              nbytes) for role, offset, nbytes in segments)
+                                for layer, segments in self._segments.items() if layer in self.layout.tensors_by_layer}
             spare = spare_ram_bytes() if settings.ram_cache_mib == AUTO else None
             n_blocks = tier_blocks(settings, self._stride, pack_layout.num_experts, len(loaded_layers),
                                    n_expert_used, n_ubatch, spare)
             if spare is not None:
                 log.info("RAM tier (auto): %d expert blocks, %.0f MiB of %.0f MiB spare", n_blocks,
                          n_blocks * self._stride / MIB, spare / MIB)
-            self.tier = HostTier(n_blocks, policy_class(settings.cache_policy)) if n_blocks else None
+            self.tier = HostTier(n_blocks, policy_class(settings.cache_policy),
+                                 n_keys=pack_layout.num_experts * len(loaded_layers)) if n_blocks else None
             n_buffers = n_blocks or settings.stage_slots  # the copier's buffers: RAM blocks, or staging buffers
             n_lookahead = settings.prefetch_slots if settings.prefetch else 0  # ... then the lookahead buffers
             self.book = PrefetchBook(range(n_buffers, n_buffers + n_lookahead)) if n_lookahead else None
@@ -239,8 +244,11 @@ class StreamingProvider:
             n = n_used * n_tokens
             ids = np.frombuffer(ffi.buffer(ids_ptr, 4 * n), dtype=np.int32)
             slots = np.frombuffer(ffi.buffer(slots_ptr, 4 * n), dtype=np.int32)
-            with self.counters.timing("provide_s"):
+            started = time.perf_counter()
+            try:
                 slots[:] = self.acquire(layer, ids)
+            finally:
+                self.counters.add_seconds("provide_s", time.perf_counter() - started)
             return 0
         except BaseException as exc:  # noqa: BLE001 - must not unwind into C; reported by the caller
             self.error = exc
@@ -294,21 +302,26 @@ class StreamingProvider:
         """Make every expert in ``expert_ids`` of ``layer`` resident; return their slot ids (copies complete)."""
         ids = expert_ids.tolist()
         experts = list(dict.fromkeys(ids))
-        self._step_tokens = max(1, len(expert_ids) // self.n_expert_used)  # policies learn from decode steps only
+        n_tokens = len(ids) // self.n_expert_used
+        self._step_tokens = max(1, n_tokens)  # policies learn from decode steps only
         plan = self.policy.acquire([(layer, expert) for expert in experts], n_tokens=self._step_tokens)
-        tokens = len(expert_ids) // self.n_expert_used if layer == self._first_layer else 0
-        self.counters.record_acquire(plan.hits, plan.misses, len(plan.evictions), tokens=tokens)
+        assignments = plan.assignments  # one per distinct key, in the order of ``experts``
+        loads = tuple(a for a in assignments if not a.hit)  # plan.loads, plan.misses, plan.hits: one pass
+        self.counters.record_acquire(len(assignments) - len(loads), len(loads), len(plan.evictions),
+                                     tokens=n_tokens if layer == self._first_layer else 0)
         if self.book is not None:
             predicted = self._predicted.pop(layer, None)
             if predicted is not None:
                 self.counters.add(lookahead_keys=len(experts), lookahead_hits=len(predicted.intersection(experts)))
-            self.book.retire_layer(layer, {load.key for load in plan.loads})
+            self.book.retire_layer(layer, {load.key for load in loads})
         try:
-            if plan.loads:
-                self._load(plan.loads)
+            if loads:
+                self._load(loads)
         finally:
             self._write_stats()
-        slot_of = {key[1]: slot for key, slot, _ in plan.assignments}
+        if len(experts) == len(ids):  # no repeated id (decode): the assignments are in the ids' order
+            return np.array([a.slot for a in assignments], dtype=np.int32)
+        slot_of = {key[1]: slot for key, slot, _ in assignments}
         return np.array([slot_of[expert] for expert in ids], dtype=np.int32)
 
     def _load(self, loads: tuple[SlotAssignment, ...]) -> None:
@@ -324,7 +337,8 @@ class StreamingProvider:
         copied, filled, tier_plan, lookahead = set(), set(), None, {}
         error: BaseException | None = None
         try:
-            lookahead = self._take_lookahead(loads)  # lookahead buffer -> (its load, its read's pieces)
+            if self.book is not None:
+                lookahead = self._take_lookahead(loads)  # lookahead buffer -> (its load, its read's pieces)
             for buffer, (load, pieces) in lookahead.items():
                 in_flight[buffer] = (load, pieces)
                 for piece in pieces:
@@ -370,9 +384,13 @@ class StreamingProvider:
                     if self.tier is None and block not in lookahead:
                         free_buffers.append(block)
         finally:
-            self._reads.wait_all([f for _, pieces in in_flight.values() for f in pieces])  # only after an interrupt
-            with self.counters.timing("copy_wait_s"):
+            if in_flight:  # only after an interrupt
+                self._reads.wait_all([f for _, pieces in in_flight.values() for f in pieces])
+            started = time.perf_counter()
+            try:
                 self._copier.synchronize()
+            finally:
+                self.counters.add_seconds("copy_wait_s", time.perf_counter() - started)
             for load in loads:
                 if load.key not in copied:
                     self.policy.abandon(load.key)
@@ -405,6 +423,9 @@ class StreamingProvider:
         plan = self.tier.plan([load.key for load in loads], n_tokens=self._step_tokens)
         self.counters.record_ram(len(plan.hits), len(plan.misses), plan.evictions)
         load_of = {load.key: load for load in loads}
+        if not ahead:
+            return (deque((load_of[key], block) for key, block in plan.hits),
+                    deque((load_of[key], block) for key, block in plan.misses), plan, {})
         # a read-ahead key the tier already holds (a hit) is copied from its lookahead buffer all the same
         return (deque((load_of[key], block) for key, block in plan.hits if key not in ahead),
                 deque((load_of[key], block) for key, block in plan.misses if key not in ahead), plan,
@@ -439,10 +460,14 @@ class StreamingProvider:
 
     def _copy(self, load: SlotAssignment, buffer: int) -> None:
         """Copy each role payload of the block in ``buffer`` into the slot."""
-        segments = [(self.layout.slot_offset(role, load.slot), offset, nbytes)
-                    for role, offset, nbytes in self._segments[load.key[0]]]
-        with self.counters.timing("copy_wait_s"):
+        slot = load.slot  # pool offset: layout.slot_offset(role, slot)
+        segments = [(region + slot * stride, offset, nbytes)
+                    for region, stride, offset, nbytes in self._copy_spans[load.key[0]]]
+        started = time.perf_counter()
+        try:
             self._copier.copy(buffer, segments)
+        finally:
+            self.counters.add_seconds("copy_wait_s", time.perf_counter() - started)
         if self._copier.h2d:
             self.counters.add(h2d_bytes=sum(nbytes for _, _, nbytes in segments))
         if self._copier.pageable:
