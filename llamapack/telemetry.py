@@ -161,7 +161,7 @@ class CounterAccumulator:
         try:
             yield
         finally:
-            self.add(**{wait_counter: time.perf_counter() - started})
+            self.add_seconds(wait_counter, time.perf_counter() - started)
 
     def snapshot(self) -> ProviderCounters:
         with self._lock:

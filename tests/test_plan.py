@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from llamapack.cache_dir import user_cache_dir
 from llamapack.cli import main
 from llamapack.errors import CapacityError, PackIOError
 from llamapack.plan import hits, probe, recommend
@@ -165,9 +166,9 @@ def test_alternatives_start_with_the_recommendation():
 
 def test_cache_root_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert probe.cache_root() == tmp_path / "llamapack"
+    assert user_cache_dir() == tmp_path / "llamapack"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert str(probe.cache_root()).endswith(".cache/llamapack")
+    assert str(user_cache_dir()).endswith(".cache/llamapack")
 
 
 def recorded_probe(cache_dir, target: probe.DiskTarget, disk_bytes_per_s: float = 1.1e9) -> None:
@@ -234,7 +235,7 @@ def recorded(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(probe, "import_cupy_device", lambda: None)
     target = probe.disk_target(str(tiny), str(tiny.with_suffix(".expert-pack")))
-    recorded_probe(probe.cache_root() / "probe", target)
+    recorded_probe(user_cache_dir() / "probe", target)
     return tiny
 
 

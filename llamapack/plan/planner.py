@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..cache_dir import user_cache_dir
 from . import hits, probe, recommend
 from .model import MIB, ModelShape, Prediction
 from .shape import read_shape
@@ -75,7 +76,7 @@ def make_plan(model: str, pack: str | None = None, *, n_ctx: int = 4096, reprobe
     if pack == "" or pack is True:
         pack = default_pack_path(open_gguf(model))
     shape = read_shape(model)
-    root = cache_dir or probe.cache_root()
+    root = cache_dir or user_cache_dir()
     target = probe.disk_target(model, pack)
     bar = tqdm(desc="plan", unit="step", leave=False) if progress else nullcontext()
     with bar:

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ..bench.diskbw import random_read_bandwidth
+from ..cache_dir import user_cache_dir
 from ..errors import PackIOError
 from ..provider.host_tier import spare_ram_bytes
 from ..provider.settings import StreamingSettings
@@ -32,14 +33,8 @@ CPU_READ_BYTES = 64 << 20
 CPU_MATMUL_N = 512
 
 
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/llamapack`` (default ``~/.cache/llamapack``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llamapack"
-
-
 def probe_file(cache_dir: Path | None = None) -> Path:
-    return (cache_dir or cache_root() / "probe") / f"{socket.gethostname() or 'localhost'}.json"
+    return (cache_dir or user_cache_dir() / "probe") / f"{socket.gethostname() or 'localhost'}.json"
 
 
 @dataclass(frozen=True)

@@ -104,12 +104,11 @@ class StreamingProvider:
             self.flusher = StatsFlusher(self.counters, settings.stats_path, settings.stats_flush_interval)
             self._layers, self._stride = loaded_layers, pack_layout.expert_stride
             self._first_layer = loaded_layers[0]
-            self._segments = {entry.layer: tuple((role.role, role.offset, role.nbytes) for role in entry.roles)
-                              for entry in pack_layout.layers}
             # per layer, per role: (pool offset of slot 0, slot stride, offset in the block, nbytes) for _copy
-            self._copy_spans = {layer: tuple((self.layout.role_region[role], self.layout.role_stride[role], offset,
-                                              nbytes) for role, offset, nbytes in segments)
-                                for layer, segments in self._segments.items() if layer in self.layout.tensors_by_layer}
+            region, stride = self.layout.role_region, self.layout.role_stride
+            self._copy_spans = {entry.layer: tuple((region[r.role], stride[r.role], r.offset, r.nbytes)
+                                                   for r in entry.roles)
+                                for entry in pack_layout.layers if entry.layer in self.layout.tensors_by_layer}
             spare = spare_ram_bytes() if settings.ram_cache_mib == AUTO else None
             n_blocks = tier_blocks(settings, self._stride, pack_layout.num_experts, len(loaded_layers),
                                    n_expert_used, n_ubatch, spare)

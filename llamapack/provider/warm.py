@@ -25,6 +25,8 @@ import logging
 import math
 import os
 from pathlib import Path
+
+from ..cache_dir import user_cache_dir
 from typing import Sequence
 
 from ..pack import PackReader
@@ -46,8 +48,7 @@ def warm_folder(setting: str | os.PathLike | None = None) -> Path:
     """``setting``, else ``$XDG_CACHE_HOME/llamapack/warm``, else ``~/.cache/llamapack/warm``."""
     if setting is not None:
         return Path(setting)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "llamapack" / "warm"
+    return user_cache_dir() / "warm"
 
 
 def pack_identity(reader) -> str | None:
