@@ -127,6 +127,46 @@ LLAMA_EXPERT_API int32_t llama_expert_hook_stats_get(const struct llama_context 
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.
 LLAMA_EXPERT_API const char * llama_expert_last_error(const struct llama_context * ctx);
 
+// ---- Cache policy (native/llama-expert-policy.cpp) ------------------------------------------------------
+// The slot pool's default policy (NextUse, a port of llamapack/policy_next_use.py taking the same decisions)
+// behind a C API, so that Python and the hook's native hot path share one instance. Keys are (layer, expert)
+// pairs passed as int32 [n][2] arrays. Not thread-safe: one caller at a time.
+struct llama_expert_policy;
+
+// NULL when n_slots < 1, half_life <= 0, rate_half_life <= 0 or horizon < 1
+LLAMA_EXPERT_API struct llama_expert_policy * llama_expert_policy_new(
+        int32_t n_slots, double half_life, int32_t horizon, double rate_half_life);
+LLAMA_EXPERT_API void    llama_expert_policy_free(struct llama_expert_policy * policy);
+// One step. Outputs, each with room for n_keys entries: per distinct key in first-seen order its key
+// (out_keys [n][2]), slot and hit (1/0); the evicted keys and their slots. Returns the number of distinct
+// keys and sets *n_evicted, or -1 (nothing changed) when they outnumber the slots.
+LLAMA_EXPERT_API int32_t llama_expert_policy_acquire(struct llama_expert_policy * policy, const int32_t * keys,
+        int32_t n_keys, int32_t n_tokens, int32_t * out_keys, int32_t * out_slots, uint8_t * out_hits,
+        int32_t * evicted_keys, int32_t * evicted_slots, int32_t * n_evicted);
+// 1 when the key was resident (now freed), 0 otherwise
+LLAMA_EXPERT_API int32_t llama_expert_policy_abandon(struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+// the key's slot, -1 when not resident
+LLAMA_EXPERT_API int32_t llama_expert_policy_slot_of(const struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+LLAMA_EXPERT_API int32_t llama_expert_policy_size(const struct llama_expert_policy * policy);
+// writes up to cap resident keys ([n][2]) and slots; returns how many are resident
+LLAMA_EXPERT_API int32_t llama_expert_policy_resident(const struct llama_expert_policy * policy, int32_t * keys,
+        int32_t * slots, int32_t cap);
+LLAMA_EXPERT_API double  llama_expert_policy_frequency(const struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+LLAMA_EXPERT_API double  llama_expert_policy_next_use(struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+// writes up to cap rates (age 1 first); returns horizon + 1
+LLAMA_EXPERT_API int32_t llama_expert_policy_reuse_rates(const struct llama_expert_policy * policy, double * out, int32_t cap);
+// popularity: the layers with visits > 0 in first-seen order (up to cap); returns how many there are
+LLAMA_EXPERT_API int32_t llama_expert_policy_popular_layers(const struct llama_expert_policy * policy, int32_t * layers, int32_t cap);
+// one layer's shares (count / visits) per expert id, up to cap; returns the number of expert ids, -1 if unseen
+LLAMA_EXPERT_API int32_t llama_expert_policy_popularity(const struct llama_expert_policy * policy, int32_t layer,
+        double * shares, int32_t cap);
+// seed: n_layers layers, layer i with n_shares[i] shares, all shares concatenated in `shares`
+LLAMA_EXPERT_API void    llama_expert_policy_seed(struct llama_expert_policy * policy, const int32_t * layers,
+        const int32_t * n_shares, const double * shares, int32_t n_layers);
+// preload: writes the loads' keys ([n][2]) and slots (room for n_keys); returns how many
+LLAMA_EXPERT_API int32_t llama_expert_policy_preload(struct llama_expert_policy * policy, const int32_t * keys,
+        int32_t n_keys, int32_t * load_keys, int32_t * load_slots);
+
 // ---- Expert read pool (native/llama-expert-io.cpp) ----------------------------------------------------
 // Threads that pread byte ranges of already opened files into caller memory, without Python's GIL. Two
 // queues: demand reads always start before queued prefetch reads; a prefetch read starts only while no

@@ -46,7 +46,10 @@ class StreamingSettings:
     ``~/.cache/llamapack/warm``). Off here (a provider made directly starts cold); ``llamapack.Llama`` and the
     CLI turn it on unless asked not to. ``cache_policy``: the slot pool's and the RAM tier's policy, a name of
     ``cache_policy.ONLINE_POLICIES`` (``next-use`` is ``DEFAULT_POLICY``; the others are there to be measured
-    against it; warm start needs ``next-use``).
+    against it; warm start needs ``next-use``). ``native_hot_path``: with ``next-use`` and no lookahead, the
+    policies live in libllama and a step whose experts are all in the pool, or whose misses are all in the RAM
+    tier, is served there (slot ids, the tier's copies, the counters) without entering Python; False: every
+    step goes through the Python provider and its Python policy (the reference, and the "before" of the bench).
     """
 
     cache_vram_mib: float | None = None
@@ -70,6 +73,7 @@ class StreamingSettings:
     warm_start: bool = False
     warm_start_dir: str | None = None
     cache_policy: str = "next-use"
+    native_hot_path: bool = True
 
     def __post_init__(self):
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top",
