@@ -19,6 +19,14 @@
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh replay", ...)  # #22: see below;
 #   then bench with ROUTING=<trace.npz> (the llamapack runs replay it) and UPSTREAM=1 (upstream b11549 runs;
 #   UPSTREAM_RUNS=name,... picks some of them)
+#   bench also takes PROMPT_LENGTHS (default 512,32: the measured requests, in order) and, for CONFIGS with +warm
+#   (a start from a priming session's popularity; #23), WARM_ROUTING=<trace.npz> (the priming requests' trace:
+#   default the ROUTING trace's requests no measured prompt replays; the Qwen3-30B trace's two are both replayed,
+#   so give bench/results/q30b_routing_model_seed1_prime.trace.npz), WARM_REQUESTS, WARM_PROMPT_TOKENS,
+#   WARM_TOKENS (priming requests, prompt and decode tokens each: 2, 32, 100) and WARM_CAP_S (a priming request's
+#   decode time cap; default DECODE_CAP_S). +pyhot runs a config with every step through the Python provider
+#   (the native hot path off: #24's before/after in one run). Under MEMORY_LIMIT_MIB the priming process runs
+#   in the same cgroup limit, the page cache dropped before it and before the measured process.
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -113,26 +121,30 @@ round7)  # #9, seventh round: build, CUDA bit-exact with the RAM tier preloaded 
     bitexact cuda_bitexact_ramtier_preload.json --ram-cache-mib 13 --ram-preload
     wait_for_model
     ;;
-replay)  # #22: build (patched + vanilla CUDA, then upstream llama.cpp b11549 from .devtree/upstream), the
-        # Qwen3-30B-A3B-shaped model and the granite-shaped one (F16 experts, the real trace's shape) with packs
+replay)  # #22: build (patched + vanilla CUDA, then upstream llama.cpp b11549 from .devtree/upstream, unless
+        # SKIP_UPSTREAM=1), the Qwen3-30B-A3B-shaped model and the granite-shaped one (F16 experts, the real trace's
+        # shape) with packs
     start_model "${SKEW:-0}"
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
         && lp pack "$work/granite.gguf" -q >> "$out/granite.log" 2>&1; echo "granite rc $?" >> "$out/granite.log") &
-    (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1; \
-        echo "upstream rc $?" >> "$out/upstream_build.out") &
+    [ -n "${SKIP_UPSTREAM:-}" ] || (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} bash bench/upstream_build.sh \
+        > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
     build_cuda
     [ -n "${SKIP_BITEXACT:-}" ] || bitexact cuda_bitexact_policy.json --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny
-    wait; tail -2 "$out/granite.log"; tail -3 "$out/synth.log"; tail -3 "$out/upstream_build.out"
+    wait; tail -2 "$out/granite.log"; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
     ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
     results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths 512,32 -n 200 \
+        --memory-limit-mib "${MEMORY_LIMIT_MIB:-8192}" --prompt-lengths "${PROMPT_LENGTHS:-512,32}" -n 200 \
         --decode-cap-s "${DECODE_CAP_S:-20}" --temperature "${TEMPERATURE:-0}" ${RAM_TIER:+--ram-tier} \
         ${PREFETCH:+--prefetch} ${PREFETCH_TOP:+--prefetch-top $PREFETCH_TOP} \
         ${PREFETCH_DEPTHS:+--prefetch-depth $PREFETCH_DEPTHS} ${READ_SPLITS:+--read-splits $READ_SPLITS} \
         ${PREFETCH_IN_FLIGHT:+--prefetch-in-flight $PREFETCH_IN_FLIGHT} ${RAM_FRACTIONS:+--ram-fractions $RAM_FRACTIONS} \
         ${READ_ENGINES:+--read-engines} ${ROUNDS:+--rounds $ROUNDS} ${SHUFFLE_SEED:+--shuffle-seed $SHUFFLE_SEED} \
-        ${ROUTING:+--routing $ROUTING} ${UPSTREAM:+--upstream-bin ${UPSTREAM_BIN:-/tmp/upstream/build/bin}} ${UPSTREAM_RUNS:+--upstream-runs $UPSTREAM_RUNS} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${ROUTING:+--routing $ROUTING} ${UPSTREAM:+--upstream-bin ${UPSTREAM_BIN:-/tmp/upstream/build/bin}} ${UPSTREAM_RUNS:+--upstream-runs $UPSTREAM_RUNS} \
+        ${WARM_ROUTING:+--warm-routing $WARM_ROUTING} ${WARM_REQUESTS:+--warm-requests $WARM_REQUESTS} \
+        ${WARM_PROMPT_TOKENS:+--warm-prompt-tokens $WARM_PROMPT_TOKENS} ${WARM_TOKENS:+--warm-tokens $WARM_TOKENS} \
+        ${WARM_CAP_S:+--warm-cap-s $WARM_CAP_S} ${CONFIGS:+--configs $CONFIGS} 2>&1
     ;;
 esac

@@ -110,6 +110,78 @@ def test_a_combination_outside_the_matrix_is_parsed():
     assert [(c.name, c.ram_fraction) for c in chosen] == [("vanilla", None), ("pack-25%+ram50%", 0.5)]
 
 
+def test_pyhot_and_warm_suffixes():
+    hot = parse_config("pack-25%+ram+preload+pyhot", 16)
+    assert (hot.native_hot_path, hot.ram_preload, hot.warm_start) == (False, True, False)
+    assert parse_config("pack-25%@8G", 16).native_hot_path and parse_config("gguf-direct-25%+pyhot", 16).source == "gguf_direct"
+    warm = parse_config("pack-12.5%+warm@8G", 16)
+    assert (warm.warm_start, warm.native_hot_path, warm.vram_fraction, warm.memory_limit_mib) == (True, True, 0.125, 8192)
+    assert parse_config("pack-25%+warm+pyhot@8G", 16) == BenchConfig(
+        "pack-25%+warm+pyhot@8G", source="pack", vram_fraction=0.25, warm_start=True, native_hot_path=False,
+        memory_limit_mib=8192)
+    for name, message in (("vanilla-vram+pyhot", "pyhot .* is a llamapack setting"),
+                          ("cpu-moe+pyhot@8G", "pyhot .* is a llamapack setting"),
+                          ("cpu-moe+warm", "warm .* is a pack setting"),
+                          ("gguf-direct-25%+warm", "warm .* is a pack setting"),
+                          ("pack-25%+warm+lfulru", "next-use policy"),
+                          ("pack-25%+warm+ownrouting", r"not \+ownrouting"),
+                          ("pack-25%+pyhots", "unknown option 'pyhots'")):
+        with pytest.raises(ValueError, match=message):
+            parse_config(name, 16)
+
+
+def test_pyhot_needs_a_llama_that_takes_the_setting():
+    from llamapack.bench.worker import hot_path_option
+
+    class Old:
+        def __init__(self, model_path, *, warm_start=None, **kwargs):
+            pass
+
+    class New:
+        def __init__(self, model_path, *, native_hot_path=True, **kwargs):
+            pass
+
+    default, python = parse_config("pack-25%", 2), parse_config("pack-25%+pyhot", 2)
+    assert hot_path_option(Old, default) == {}  # the default needs nothing passed
+    with pytest.raises(RuntimeError, match=r"pack-25%\+pyhot: \+pyhot needs llamapack.Llama to take native_hot_path"):
+        hot_path_option(Old, python)  # never silently the default (llama_cpp.Llama swallows unknown keywords)
+    assert hot_path_option(New, python) == {"native_hot_path": False}
+    assert hot_path_option(New, default) == {"native_hot_path": True}
+
+
+def test_hot_path_and_warm_start_tables():
+    results = results_by_hand()
+    pyhot = dict(config=dict(name="pack-25%+pyhot@8G"), requests=[request(
+        8, ["a", "b"], 1, 1.0, cache_hits=30, cache_misses=10, pack_read_bytes=100 << 20, provide_s=0.8)])
+    cold = dict(config=dict(name="pack-50%@8G"), load_s=2.0, load_counters=dict(pack_read_bytes=0), requests=[
+        request(8, ["a"], 4, 1.0, prefill_s=3.0, cache_hits=30, cache_misses=10)])
+    cold["requests"][0]["prefill_counters"] = dict(cache_hits=0, cache_misses=16, pack_read_bytes=16 << 20)
+    warm = dict(config=dict(name="pack-50%+warm@8G"), load_s=2.5, load_counters=dict(pack_read_bytes=8 << 20),
+                requests=[request(8, ["a"], 4, 1.0, prefill_s=1.5, cache_hits=35, cache_misses=5)],
+                priming=dict(phase="prime", load_s=2.0, wall_s=9.0, layers_saved=2, saved=["x.json"],
+                             requests=[dict(request=2, n_prompt=3, prefill_s=0.5, n_decoded=5, decode_s=1.0)]))
+    warm["requests"][0]["prefill_counters"] = dict(cache_hits=12, cache_misses=4, pack_read_bytes=4 << 20)
+    results["runs"] += [pyhot, cold, warm]
+    results["workload"]["warm"] = dict(routing="/x/prime.npz", same_trace=False, cap_s=8.0,
+                                       requests=[dict(request=2, n_prompt=3, decode_tokens=5)])
+    rows = {row.name: row for row in summaries(results)}
+    assert rows["pack-50%+warm@8G"].first_request == dict(n_prompt=8, ttft_s=1.5, prefill_hit_rate=0.75,
+                                                          decode_hit_rate=35 / 40, hit_rate=47 / 56, read_bytes=4 << 20)
+    assert rows["pack-50%+warm@8G"].load_read_bytes == 8 << 20 and rows["pack-50%@8G"].priming is None
+    assert rows["pack-50%+warm@8G"].priming == dict(requests=1, prompt_tokens=3, decoded=5, load_s=2.0, serve_s=1.5,
+                                                    wall_s=9.0, layers_saved=2)
+    text = markdown(results)
+    # native 2 tok/s (pack-25%@8G) against 1 through Python; the same 75% hit rate
+    assert "| pack-25%@8G | 2.00 | 1.00 | 2.00x | 75.0% / 75.0% |" in text.split("## Native hot path")[1]
+    section = text.split("## Warm start: the first request")[1]
+    assert "**while loading**" in section
+    assert "| pack-50%@8G | 2.00 | 0 | 8 | 3.00 | 0.0% / 75.0% / 53.6% | 16 | – |" in section
+    assert "| pack-50%+warm@8G | 2.50 | 8 | 8 | 1.50 | 75.0% / 87.5% / 83.9% | 4 | 1, 5, 9.0 |" in section
+    assert "served requests 2 (3 prompt + up to 5 decode tokens) of `prime.npz` (a trace of other requests)" in text
+    results["runs"].remove(cold)
+    assert "| pack-50%@8G | not run (the cold twin) |" in markdown(results)
+
+
 def test_schedule_runs_the_reference_once_and_shuffles_each_round():
     configs = [BenchConfig("ref", reference=True)] + [BenchConfig(f"c{i}") for i in range(8)]
     assert [(r, c.name) for r, c in schedule(configs[:3], 2)] == [(1, "ref"), (1, "c0"), (1, "c1"), (2, "c0"),
@@ -333,3 +405,66 @@ def test_provider_overhead_script_measures_an_all_hit_decode(tmp_path):
         assert run["decode_misses"] == 0 and run["acquires"] == 40 * 4  # qwen3moe-tiny: 4 MoE layers
         assert run["provide_us_per_acquire"] > 0
     assert runs[0]["lookahead_us_per_acquire"] == 0 < runs[1]["lookahead_us_per_acquire"]
+
+
+def test_a_warm_run_primes_then_measures_under_the_same_limit(tmp_path, monkeypatch):
+    """runner.run_config for pack-25%+warm@8G: the priming worker, then the measured one, each in its own cage of
+    the config's limit with the page cache dropped before it, both pointed at the same fresh warm-start folder;
+    a priming session that fails or saves nothing fails the run without measuring it."""
+    import llamapack.bench.runner as runner
+
+    events, specs = [], []
+
+    class Cage:
+        def __init__(self, limit):
+            events.append(("cage", limit >> 20))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def join(self):
+            pass
+
+        def peak_bytes(self):
+            return 1 << 30
+
+        def oom_kills(self):
+            return 0
+
+    saves = {"file": True, "rc": 0}
+
+    def fake_run(command, env, timeout, preexec_fn=None):
+        spec = json.loads(open(command[-1]).read())
+        specs.append(spec)
+        events.append(("worker", spec.get("phase", "measured")))
+        if spec.get("phase") == "prime":
+            out = dict(phase="prime", load_s=1.0, requests=[], saved=["id.json"] if saves["file"] else [], layers_saved=2)
+        else:
+            out = dict(config=spec["config"], load_s=2.0, requests=[], routing="replayed", provider={})
+        return subprocess.CompletedProcess(command, saves["rc"], stdout=json.dumps(out) + "\n", stderr="boom")
+
+    monkeypatch.setattr(runner, "MemoryCage", Cage)
+    monkeypatch.setattr(runner, "drop_page_cache", lambda: events.append(("drop",)) or True)
+    monkeypatch.setattr(runner, "_run", fake_run)
+    plan = runner.BenchPlan(model="m.gguf", out_dir=tmp_path, configs=(), routing="trace.npz")
+    warm = dict(routing="/t/prime.npz", same_trace=False, requests=[dict(request=0, n_prompt=3, decode_tokens=4)], cap_s=8.0)
+    config = parse_config("pack-25%+warm@8G", 2)
+    run = runner.run_config(plan, config, 1 << 30, 64, "m.expert-pack", tmp_path / "spec-3.json", warm=warm)
+    assert events == [("drop",), ("cage", 8192), ("worker", "prime"), ("drop",), ("cage", 8192), ("worker", "measured")]
+    prime, measured = specs
+    assert prime["warm"] == warm and prime["warm_start_dir"] == measured["warm_start_dir"] == str(tmp_path / "spec-3-warm")
+    assert "phase" not in measured and "warm" not in measured and (tmp_path / "spec-3-warm").is_dir()
+    assert run["priming"]["saved"] == ["id.json"] and run["priming"]["cgroup_peak_mib"] == 1024 and "error" not in run
+    cold = runner.run_config(plan, parse_config("pack-25%@8G", 2), 1 << 30, 64, "p", tmp_path / "spec-4.json")
+    assert "priming" not in cold and "warm_start_dir" not in specs[-1]
+    saves["file"] = False
+    events.clear()
+    failed = runner.run_config(plan, config, 1 << 30, 64, "p", tmp_path / "spec-5.json", warm=warm)
+    assert failed["error"].startswith("priming: the priming session saved no warm-start file")
+    assert [e for e in events if e[0] == "worker"] == [("worker", "prime")]  # nothing measured
+    saves.update(file=True, rc=3)
+    crashed = runner.run_config(plan, config, 1 << 30, 64, "p", tmp_path / "spec-6.json", warm=warm)
+    assert crashed["error"].startswith("priming: worker exit 3: boom")

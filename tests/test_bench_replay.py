@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from llamapack.bench.replay import ReplayError, RoutingReplay, check_trace_fits
+from llamapack.bench.replay import ReplayError, RoutingReplay, check_trace_fits, priming_requests
 from llamapack.cache_policy import DEFAULT_POLICY, simulate
 from llamapack.routing.trace import RoutingTrace, save_trace
 
@@ -61,6 +61,35 @@ def test_a_trace_of_another_shape_is_refused():
         RoutingReplay(trace, [0, 1]).experts_for(0, 1)
 
 
+def test_priming_takes_the_requests_no_measured_prompt_replays():
+    trace = hand_trace([9, 7, 8, 4], n_prefill=3)  # decode rows: 6, 4, 5, 1
+    assert priming_requests(trace, 2, max_requests=5, prompt_tokens=32, decode_tokens=100) == [
+        dict(request=2, n_prompt=3, decode_tokens=5), dict(request=3, n_prompt=3, decode_tokens=1)]
+    assert priming_requests(trace, 2, 1, prompt_tokens=2, decode_tokens=3) == [dict(request=2, n_prompt=2, decode_tokens=3)]
+    # 5 measured prompts replay requests 0, 1, 2, 3, 0: nothing is left, unless the priming trace is another one (0)
+    with pytest.raises(ReplayError, match="all replayed by the 5 measured prompts.*--warm-routing"):
+        priming_requests(trace, 5, 2, 32, 100)
+    assert [r["request"] for r in priming_requests(trace, 0, 2, 32, 100)] == [0, 1]
+    with pytest.raises(ReplayError, match="at least one"):
+        priming_requests(trace, 0, 0, 32, 100)
+
+
+def bench_steps(trace, plan, layers=(1, 2)):
+    """The cache steps of requests ``plan`` = [(trace request, n_prompt, decode tokens)] served at n_ubatch 1:
+    each prompt token a step per layer (the last layer only for the last prompt token: llama.cpp computes
+    only the tokens whose outputs are wanted there), then each decode token; rows as RoutingReplay hands them out."""
+    steps = []
+    for index, n_prompt, n_decoded in plan:
+        first, end = trace.request_bounds()[index % trace.n_requests]
+        prefill = trace.experts[first:end][trace.prefill[first:end]]
+        decode = trace.experts[first:end][~trace.prefill[first:end]]
+        tokens = [prefill[t % len(prefill)] for t in range(n_prompt)] + [decode[t % len(decode)] for t in range(n_decoded)]
+        for t, token in enumerate(tokens):
+            steps += [[(layer, int(e)) for e in token[position]] for position, layer in enumerate(layers)
+                      if position < len(layers) - 1 or t >= n_prompt - 1]
+    return steps
+
+
 def test_bench_replays_the_trace_through_the_real_provider(tmp_path):
     """deepseek2-tiny (a dense layer, then 2 MoE layers x 16 experts, top-4), n_ubatch 1: every (token, layer)
     is one acquire, so the replayed runs' hits and misses must equal DEFAULT_POLICY's replay of exactly the rows
@@ -104,7 +133,7 @@ def test_bench_replays_the_trace_through_the_real_provider(tmp_path):
     assert "| pack-25% | **replayed** |" in markdown and "| vanilla | own (synthetic) |" in markdown
 
 
-def test_prefetch_cannot_replay(tmp_path):
+def test_what_cannot_replay_is_refused_before_any_run(tmp_path):
     from llamapack.pack import build_pack
     from llamapack.synth import write_model
 
@@ -112,10 +141,17 @@ def test_prefetch_cannot_replay(tmp_path):
     build_pack(model, progress=False, safety_margin_mib=0)
     save_trace(hand_trace([4], n_prefill=1, n_layers=3), tmp_path / "wrong.npz")
     save_trace(hand_trace([4], n_prefill=1), tmp_path / "trace.npz")
-    for trace, configs, message in (("wrong.npz", "vanilla,pack-25%", "cannot replay on"),
-                                    ("trace.npz", "vanilla,pack-25%+prefetch", "prefetch runs cannot replay")):
-        proc = subprocess.run([sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(tmp_path / "r"),
-                               "--routing", str(tmp_path / trace), "--configs", configs],
+    save_trace(hand_trace([4, 5], n_prefill=1), tmp_path / "two.npz")
+    for args, message in ((["--routing", str(tmp_path / "wrong.npz"), "--configs", "vanilla,pack-25%"], "cannot replay on"),
+                          (["--routing", str(tmp_path / "trace.npz"), "--configs", "vanilla,pack-25%+prefetch"],
+                           "prefetch runs cannot replay"),
+                          (["--configs", "pack-25%,pack-25%+warm"], "+warm runs prime on trace requests the measured "
+                                                                    "prompts do not replay: they need --routing"),
+                          (["--routing", str(tmp_path / "two.npz"), "--configs", "pack-25%+warm"],
+                           "all replayed by the 2 measured prompts"),
+                          (["--routing", str(tmp_path / "two.npz"), "--warm-routing", str(tmp_path / "wrong.npz"),
+                            "--configs", "pack-25%+warm"], "cannot replay on")):
+        proc = subprocess.run([sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(tmp_path / "r"), *args],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -142,3 +178,87 @@ def test_upstream_runs_join_the_report(tmp_path):
     assert summaries(results)[2].bit_exact == "n/a (upstream: no logits)"
     text = markdown(results)
     assert "| pack-25%+ram | 2.00x |" in text and "| vanilla-vram | 4.00x |" in text
+
+
+def test_warm_run_starts_from_its_priming_session(tmp_path):
+    """``pack-25%+warm``: a priming process serves trace request 2 (the prompts replay requests 0 and 1), saves its
+    popularity; the measured process loads the hottest experts at start-up. Its counters must equal NextUse's
+    replay of exactly that: the priming steps, the popularity saved (rounded as the file rounds it), a fresh policy
+    seeded with it and preloaded with the hottest keys, then the measured steps. Its cold twin reads nothing at load."""
+    from llamapack.cache_policy import DEFAULT_POLICY
+    from llamapack.pack import build_pack
+    from llamapack.provider.warm import hottest
+    from llamapack.synth import write_model
+
+    model = write_model(tmp_path / "tiny.gguf", "deepseek2-tiny", seed=0)
+    build_pack(model, progress=False, safety_margin_mib=0)
+    trace = hand_trace([9, 7, 10], n_prefill=3, seed=2)
+    save_trace(trace, tmp_path / "trace.npz")
+    out, n_decode, prompts = tmp_path / "results", 6, (5, 4)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", str(n_decode),
+         "--prompt-lengths", ",".join(map(str, prompts)), "-ub", "1", "--routing", str(tmp_path / "trace.npz"),
+         "--warm-tokens", "6", "--configs", "pack-25%,pack-25%+warm"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    assert data["workload"]["warm"]["requests"] == [dict(request=2, n_prompt=3, decode_tokens=6)]
+    cold, warm = (next(r for r in data["runs"] if r["config"]["name"] == name) for name in ("pack-25%", "pack-25%+warm"))
+    assert "priming" not in cold and cold["load_counters"]["pack_read_bytes"] == 0
+    priming = warm["priming"]
+    assert [(r["request"], r["n_prompt"], r["n_decoded"]) for r in priming["requests"]] == [(2, 3, 6)]
+    assert len(priming["saved"]) == 1 and priming["layers_saved"] == 2
+    n_slots = warm["provider"]["n_slots"]
+    assert n_slots == cold["provider"]["n_slots"] == 8  # 25% of 2 x 16 experts
+
+    primer = DEFAULT_POLICY(n_slots)
+    for step in bench_steps(trace, [(2, 3, 6)]):
+        primer.acquire(step)
+    popularity = {layer: [round(x, 6) for x in shares] for layer, shares in primer.popularity().items()}
+    seeded = DEFAULT_POLICY(n_slots)
+    seeded.seed(popularity)
+    preloaded = seeded.preload(hottest(popularity, n_slots))
+    assert warm["load_counters"]["pack_read_bytes"] == len(preloaded) * data["model"]["expert_stride"] > 0
+    measured = bench_steps(trace, [(i, n, n_decode - 1) for i, n in enumerate(prompts)])
+    expected = simulate(lambda n: seeded, measured, n_slots)
+    counted = {k: sum(r[phase].get(k, 0) for r in warm["requests"] for phase in ("prefill_counters", "decode_counters"))
+               for k in ("cache_hits", "cache_misses")}
+    assert (counted["cache_hits"], counted["cache_misses"]) == (expected["hits"], expected["misses"])
+    cold_expected = simulate(DEFAULT_POLICY, measured, n_slots)
+    assert expected["hits"] > cold_expected["hits"]  # the warm start paid off on this trace
+    markdown = (out / "bench.md").read_text()
+    section = markdown.split("## Warm start: the first request")[1]
+    assert "| pack-25% | " in section and "| pack-25%+warm | " in section
+    assert "served requests 2 (3 prompt + up to 6 decode tokens) of `trace.npz` (requests no measured prompt replays)" in markdown
+
+
+def test_pyhot_twin_serves_the_same_steps_through_python(tmp_path):
+    """``+pyhot``: the same config with the native hot path off. Both replay the same trace through the same
+    NextUse decisions, so their counters match; the provider reports which path each ran."""
+    import inspect
+
+    from llamapack.llama import Llama
+    from llamapack.pack import build_pack
+    from llamapack.synth import write_model
+
+    if "native_hot_path" not in inspect.signature(Llama.__init__).parameters:
+        pytest.skip("llamapack.Llama does not take native_hot_path yet: +pyhot refuses to run (test_bench.py checks)")
+    model = write_model(tmp_path / "tiny.gguf", "deepseek2-tiny", seed=0)
+    build_pack(model, progress=False, safety_margin_mib=0)
+    save_trace(hand_trace([9, 7], n_prefill=3, seed=3), tmp_path / "trace.npz")
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", "8", "--prompt-lengths", "5,4",
+         "-ub", "1", "--routing", str(tmp_path / "trace.npz"),
+         "--configs", "pack-25%,pack-25%+pyhot,pack-25%+ram50%,pack-25%+ram50%+pyhot"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {run["config"]["name"]: run for run in json.loads((out / "bench.json").read_text())["runs"]}
+    assert all("error" not in run for run in runs.values()), {n: r.get("error") for n, r in runs.items()}
+    for native in ("pack-25%", "pack-25%+ram50%"):
+        python = runs[native + "+pyhot"]
+        assert runs[native]["provider"]["native_hot_path"] is True and python["provider"]["native_hot_path"] is False
+        counts = [{k: sum(r[phase].get(k, 0) for r in run["requests"] for phase in ("prefill_counters", "decode_counters"))
+                   for k in ("cache_hits", "cache_misses", "ram_hits")} for run in (runs[native], python)]
+        assert counts[0] == counts[1], native
+    assert "## Native hot path vs the Python provider (+pyhot)" in (out / "bench.md").read_text()

@@ -66,7 +66,8 @@ LIMITED_UPSTREAM_DECODE, LIMITED_UPSTREAM_TIMEOUT_S = 32, 240.0
 @click.option("--fractions", callback=_numbers(float), default="0.25,0.5", show_default=True,
               help="VRAM expert cache sizes, as fractions of all routed experts.")
 @click.option("--configs", "names", help="Only these runs (comma-separated names; see --list), or any combination "
-              "such as pack-25%+ram25%+prefetch-top2@8G.")
+              "such as pack-25%+ram25%+prefetch-top2@8G; +pyhot: every step through the Python provider (no native "
+              "hot path); +warm: start from a priming session's popularity (needs --routing; see --warm-*).")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run every config but the reference this many times; the report gives the median decode.")
 @click.option("--shuffle-seed", type=int, help="Shuffle each round's order with this seed (default: the listed order).")
@@ -105,11 +106,23 @@ LIMITED_UPSTREAM_DECODE, LIMITED_UPSTREAM_TIMEOUT_S = 32, 240.0
                    "--memory-limit-mib one at the smallest fraction under the limit (experts mmapped).")
 @click.option("--upstream-runs", "upstream_names",
               help="Only these of upstream's runs (comma-separated names, e.g. upstream-cmoe,upstream-cache-25%).")
+@click.option("--warm-routing", type=click.Path(exists=True, dir_okay=False),
+              help="+warm runs: the priming session replays this trace's requests (a trace of the same shape, other "
+                   "requests; default: the --routing trace's requests that no measured prompt replays).")
+@click.option("--warm-requests", type=click.IntRange(min=1), default=2, show_default=True,
+              help="+warm runs: at most this many priming requests.")
+@click.option("--warm-prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="+warm runs: each priming request's prompt, at most (and at most its trace request's prompt).")
+@click.option("--warm-tokens", type=click.IntRange(min=1), default=100, show_default=True,
+              help="+warm runs: each priming request's decode tokens, at most (and at most its trace request's).")
+@click.option("--warm-cap-s", type=click.FloatRange(min=0.1),
+              help="+warm runs: a priming request stops decoding after this many seconds (default: --decode-cap-s).")
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, rounds, shuffle_seed, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
                   prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, routing,
-                  upstream_bin, upstream_names, list_only) -> None:
+                  upstream_bin, upstream_names, warm_routing, warm_requests, warm_prompt_tokens, warm_tokens, warm_cap_s,
+                  list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
     matrix = default_matrix(os.cpu_count() or 1, memory_limit_mib, fractions, gpu=has_gpu(),
                             gguf_direct=not no_gguf_direct, ram_tier=ram_tier, prefetch=prefetch,
@@ -139,7 +152,8 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, roun
                      prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
                      temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
                      vanilla_lib=vanilla_lib, patched_lib=patched_lib, rounds=rounds, shuffle_seed=shuffle_seed,
-                     routing=routing, upstream_bin=upstream_bin,
+                     routing=routing, upstream_bin=upstream_bin, warm_routing=warm_routing, warm_requests=warm_requests,
+                     warm_prompt_tokens=warm_prompt_tokens, warm_tokens=warm_tokens, warm_cap_s=warm_cap_s,
                      upstream_configs=upstream, command=" ".join(shlex.quote(a) for a in ["llamapack", *sys.argv[1:]]))
     run_bench(plan, echo=lambda line: click.echo(line, err=True))
     click.echo(f"wrote {out_dir / 'bench.md'}, bench.json and bench.png")

@@ -30,7 +30,14 @@ class BenchConfig:
     lookahead (pack modes). ``native_reads``: pack reads on the native read pool (True) or Python threads
     (False); None: the provider's default. ``verify``: each pack block's sha256 checked on its first read (the
     default; ``+noverify`` turns it off). ``cache_policy``: the pool's and tier's policy (``+lfulru`` and ``+lru``
-    run the older ones, to measure the default against them). ``reference``: the run other runs' logits are compared with."""
+    run the older ones, to measure the default against them). ``native_hot_path``: all-hit steps (and steps whose
+    misses the RAM tier holds) served inside libllama without entering Python (the default; ``+pyhot`` turns it
+    off: every step through the Python provider, the "before" of the native hot path). ``warm_start``: the run
+    starts from the popularity a priming session saved (``+warm``, pack runs only): before the measured process,
+    the runner runs a priming process with the same settings on trace requests the measured prompts do not
+    replay, which saves the popularity at close into a temporary folder; the measured process loads it and
+    fills the pool (and tier) at load. Other runs start cold. ``reference``: the run other runs' logits are
+    compared with."""
 
     name: str
     source: str = VANILLA
@@ -53,6 +60,8 @@ class BenchConfig:
     own_routing: bool = False
     verify: bool = True
     cache_policy: str = "next-use"
+    native_hot_path: bool = True
+    warm_start: bool = False
 
     def __post_init__(self):
         if self.source not in (VANILLA, PACK, GGUF_DIRECT):
@@ -63,6 +72,13 @@ class BenchConfig:
             raise ValueError(f"{self.name}: prefetch, read_splits and native_reads are llamapack settings")
         if self.cache_policy != "next-use" and self.source == VANILLA:
             raise ValueError(f"{self.name}: the cache policy is a llamapack setting")
+        if not self.native_hot_path and self.source == VANILLA:
+            raise ValueError(f"{self.name}: pyhot (every step through the Python provider) is a llamapack setting")
+        if self.warm_start and (self.source != PACK or self.own_routing or self.cache_policy != "next-use"):
+            raise ValueError(f"{self.name}: warm (a start from a priming session's popularity) is a pack setting "
+                             "(GGUF-direct has no pack identity to save it under), with the next-use policy (the one "
+                             "that saves and loads popularity) and replayed routing (the priming session replays "
+                             "trace requests the measured prompts do not), not +ownrouting")
         if not self.verify and self.source != PACK:
             raise ValueError(f"{self.name}: noverify (no sha256 check on first read) is a pack setting")
         if self.ram_auto and (self.ram_fraction is not None or self.source == VANILLA):
@@ -164,9 +180,9 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
                 "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, +noverify, "
-                "+lfulru, +lru, then @NG or @NM")
+                "+lfulru, +lru, +pyhot, +warm, then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru)(?=\+|$)")
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|warm)(?=\+|$)")
 
 
 def parse_config(name: str, n_cores: int) -> BenchConfig:
@@ -203,6 +219,10 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["own_routing"] = True
         elif option == "noverify":
             fields["verify"] = False
+        elif option == "pyhot":
+            fields["native_hot_path"] = False
+        elif option == "warm":
+            fields["warm_start"] = True
         elif option in ("lfulru", "lru"):
             fields["cache_policy"] = {"lfulru": "lfu-lru", "lru": "lru"}[option]
         elif option == "ram" or match["ram"]:

@@ -11,6 +11,9 @@ weights still scale the outputs, now of other experts, so logits are not the mod
 Token mapping: bench request r replays trace request ``r mod n_requests``; its first ``n_prompt`` tokens
 take that request's prefill rows, the rest its decode rows, each cycled when the bench needs more of them
 than the trace holds.
+
+Priming (``+warm`` runs, ``priming_requests``): the trace requests no measured prompt replays, each cut to its own
+rows (never cycled), so that the warm start learns from other requests than those it is measured on.
 """
 from __future__ import annotations
 
@@ -31,6 +34,32 @@ def check_trace_fits(trace: RoutingTrace, n_layers: int, n_experts: int, top_k: 
         raise ReplayError(f"{trace.origin}: routing of {theirs[0]} layers x {theirs[1]} experts, top-{theirs[2]} "
                           f"cannot replay on {where} ({ours[0]} MoE layers x {ours[1]} experts, top-{ours[2]}): "
                           f"use a model of the trace's shape")
+
+
+def priming_requests(trace: RoutingTrace, n_measured: int, max_requests: int, prompt_tokens: int,
+                     decode_tokens: int) -> list[dict]:
+    """The requests a ``+warm`` run's priming session serves: trace requests that none of the ``n_measured``
+    measured prompts replays (they replay requests ``0 .. n_measured - 1`` mod ``n_requests``; 0 for a trace of
+    other requests), the first ``max_requests`` of them, each ``{"request", "n_prompt", "decode_tokens"}`` with a
+    prompt of at most ``prompt_tokens`` of its prefill rows and at most ``decode_tokens`` of its decode rows
+    (never more than the request holds, so no row is cycled). ReplayError when no request is left."""
+    if min(max_requests, prompt_tokens, decode_tokens) < 1:
+        raise ReplayError("priming needs at least one request, one prompt token and one decode token")
+    bounds = trace.request_bounds()
+    replayed = {r % len(bounds) for r in range(n_measured)} if bounds else set()
+    free = [index for index in range(len(bounds)) if index not in replayed]
+    if not free:
+        raise ReplayError(f"{trace.origin}: its {len(bounds)} request(s) are all replayed by the {n_measured} measured "
+                          "prompts, so a priming session would learn the future: give a trace of other requests "
+                          "(--warm-routing; e.g. `llamapack trace synth` with another --seed)")
+    chosen = []
+    for index in free[:max_requests]:
+        first, end = bounds[index]
+        n_prefill = int(trace.prefill[first:end].sum())
+        n_decode = end - first - n_prefill
+        chosen.append(dict(request=index, n_prompt=max(1, min(prompt_tokens, n_prefill or 1)),
+                           decode_tokens=max(1, min(decode_tokens, n_decode or 1))))
+    return chosen
 
 
 class RoutingReplay:

@@ -4,7 +4,10 @@ Per run: prefill tok/s and time to first token per prompt, decode tok/s over eve
 cache's hit rate and SSD bytes per decoded token, the I/O bound ``disk_bw / miss_bytes_per_token`` and
 the fraction of it reached, where decode time went (inside the provider: reads waited for, copies waited
 for, the rest of its work; outside it: GPU compute, the router's readback, llama.cpp), and whether its
-logits equal the reference run's bit for bit.
+logits equal the reference run's bit for bit. The first request on its own (``+warm`` runs against their cold
+twins): its time to first token, which includes its waits on the SSD, its hit rates, and the start-up's reads
+(a warm start reads the hottest experts at load, before the first request: they are in the load time, not
+in the TTFT).
 """
 from __future__ import annotations
 
@@ -39,6 +42,9 @@ class RunSummary:
     n_rounds: int = 1                        # a combined row (combine): how many runs it is the median of
     decode_by_round: tuple = ()              # a combined row: each run's decode tok/s, in the order run
     routing: str = "own"                     # "replayed": experts from a routing trace (bench/replay.py)
+    first_request: dict | None = None        # n_prompt, ttft_s, prefill/decode/all hit rates of the first request
+    load_read_bytes: float | None = None     # expert bytes read while loading (warm start, RAM preload)
+    priming: dict | None = None              # +warm runs: the priming session (requests, tokens, seconds)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -55,6 +61,32 @@ def compare_digests(run: dict, reference: dict) -> str:
                 first_diff = f"request of {mine['n_prompt']} tokens, step {step}"
             steps += 1
     return f"yes ({steps} steps)" if first_diff is None else f"NO (first at {first_diff})"
+
+
+def hit_rate(*counters: dict) -> float | None:
+    hits = sum(c.get("cache_hits", 0) for c in counters)
+    lookups = hits + sum(c.get("cache_misses", 0) for c in counters)
+    return hits / lookups if lookups else None
+
+
+def first_request(run: dict) -> dict:
+    """The first request of a run: prompt length, TTFT (prefill, its waits on the SSD included) and hit rates
+    of its prefill, its decode and both."""
+    first = run["requests"][0]
+    prefill, decode = first.get("prefill_counters", {}), first.get("decode_counters", {})
+    return dict(n_prompt=first["n_prompt"], ttft_s=first["ttft_s"], prefill_hit_rate=hit_rate(prefill),
+                decode_hit_rate=hit_rate(decode), hit_rate=hit_rate(prefill, decode),
+                read_bytes=prefill.get("pack_read_bytes", 0) + decode.get("pack_read_bytes", 0) if prefill else None)
+
+
+def priming_summary(priming: dict | None) -> dict | None:
+    if not priming or "error" in priming:
+        return None
+    requests = priming.get("requests", [])
+    return dict(requests=len(requests), prompt_tokens=sum(r["n_prompt"] for r in requests),
+                decoded=sum(r["n_decoded"] for r in requests), load_s=priming.get("load_s"),
+                serve_s=sum(r["prefill_s"] + r["decode_s"] for r in requests), wall_s=priming.get("wall_s"),
+                layers_saved=priming.get("layers_saved"))
 
 
 def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> RunSummary:
@@ -104,7 +136,9 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         io_bound_fraction=decode_tok_s / io_bound if io_bound and decode_tok_s else None,
         breakdown=breakdown, bit_exact=exact, load_s=run.get("load_s"),
         peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"), lookahead=lookahead,
-        round=run.get("round", 1), routing=routing)
+        round=run.get("round", 1), routing=routing, first_request=first_request(run) if requests else None,
+        load_read_bytes=run["load_counters"].get("pack_read_bytes") if "load_counters" in run else None,
+        priming=priming_summary(run.get("priming")))
 
 
 def probe_bytes_per_s(probe: dict) -> float:
@@ -125,6 +159,14 @@ def summaries(results: dict) -> list[RunSummary]:
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def _median_dicts(dicts: list[dict | None]) -> dict | None:
+    """Key by key, the median of the dicts' numbers (None where no dict has one)."""
+    dicts = [d for d in dicts if d]
+    if not dicts:
+        return None
+    return {key: _median(d.get(key) for d in dicts) for key in dicts[0]}
 
 
 def combine(rows: list[RunSummary]) -> list[RunSummary]:
@@ -158,7 +200,10 @@ def combine(rows: list[RunSummary]) -> list[RunSummary]:
             bit_exact=(middle.bit_exact if middle.routing == "replayed" else not_exact[0] if not_exact
                        else middle.bit_exact if middle.bit_exact == "reference"
                        else f"yes ({steps} steps, {len(ok)} runs)") + (f"; {failed} run(s) failed" if failed else ""),
-            load_s=_median(r.load_s for r in ok), peak_mib=max((r.peak_mib or 0) for r in ok) or None))
+            load_s=_median(r.load_s for r in ok), peak_mib=max((r.peak_mib or 0) for r in ok) or None,
+            first_request=_median_dicts([r.first_request for r in ok]),
+            load_read_bytes=_median(r.load_read_bytes for r in ok),
+            priming=_median_dicts([r.priming for r in ok])))
     return combined
 
 
@@ -205,6 +250,20 @@ def routing_line(workload: dict) -> str:
             f"router (synthetic routing)")
 
 
+def warm_line(workload: dict) -> list[str]:
+    """How the +warm runs were primed (none: no line)."""
+    warm = workload.get("warm")
+    if not warm:
+        return []
+    requests = ", ".join(f"{r['request']} ({r['n_prompt']} prompt + up to {r['decode_tokens']} decode tokens)"
+                         for r in warm["requests"])
+    return [f"Warm start (+warm runs): a priming process with the run's settings served requests {requests} of "
+            f"`{Path(warm['routing']).name}`" + (" (requests no measured prompt replays)" if warm.get("same_trace")
+                                                 else " (a trace of other requests)")
+            + f", decode cut after {warm['cap_s']:g} s each, and saved its popularity at close; the measured "
+            "process started from it"]
+
+
 def _f(value, spec: str = ".2f", scale: float = 1.0) -> str:
     return "–" if value is None else format(value * scale, spec)
 
@@ -234,7 +293,7 @@ def markdown(results: dict) -> str:
                 + (f", each round shuffled (seed {results['workload']['shuffle_seed']})"
                    if results["workload"].get("shuffle_seed") is not None else "")
                 + "; each line is the median of its runs (the rounds table below)" if n_rounds > 1 else ""),
-             routing_line(results["workload"]), "",
+             routing_line(results["workload"]), *warm_line(results["workload"]), "",
              "| run | routing | " + " | ".join(f"prefill {n} tok/s" for n in lengths) + " | TTFT " + f"{lengths[-1]} s"
              + " | decode tok/s | tokens | hit rate | SSD MiB/token | I/O bound tok/s | of bound | bit-exact vs reference | peak MiB |",
              "|---|---|" + "---|" * (len(lengths) + 9)]
@@ -296,6 +355,7 @@ def markdown(results: dict) -> str:
                        if native_row and native_row.decode_tok_s and row.decode_tok_s else None)
             lines.append(f"| {row.name.replace('+pyreads', '')} | {_f(native_row.decode_tok_s if native_row else None)} "
                          f"| {_f(row.decode_tok_s)} | {_f(speedup)}x |")
+    lines += hot_path_lines(rows, by_name) + warm_start_lines(rows, by_name)
     lines += ["", "## Where decode time went (ms per token)", "",
               "| run | waiting on reads | waiting on copies | rest of the provider | lookahead callback "
               "| entering the callbacks | outside the provider |",
@@ -311,6 +371,55 @@ def markdown(results: dict) -> str:
               "Outside the provider: GPU compute, the router ids' readback to the CPU and llama.cpp's own work "
               "(compare with pack-100%, which reads nothing)."]
     return "\n".join(lines) + "\n"
+
+
+def hot_path_lines(rows: list[RunSummary], by_name: dict) -> list[str]:
+    """``+pyhot`` runs (every step through the Python provider) against their twin without it (the native hot
+    path): decode, and the hit rates, which should match (same policy, same steps)."""
+    twins = [row for row in rows if row.ok and "+pyhot" in row.name]
+    if not twins:
+        return []
+    lines = ["", "## Native hot path vs the Python provider (+pyhot)", "",
+             "| run | native hot path tok/s | Python provider tok/s | native vs Python | hit rate native / Python |",
+             "|---|---|---|---|---|"]
+    for row in twins:
+        native = by_name.get(row.name.replace("+pyhot", ""))
+        speedup = native.decode_tok_s / row.decode_tok_s if native and native.decode_tok_s and row.decode_tok_s else None
+        lines.append(f"| {row.name.replace('+pyhot', '')} | {_f(native.decode_tok_s if native else None)} | "
+                     f"{_f(row.decode_tok_s)} | {_f(speedup)}x | {_f(native.hit_rate if native else None, '.1%')} / "
+                     f"{_f(row.hit_rate, '.1%')} |")
+    return lines
+
+
+def warm_start_lines(rows: list[RunSummary], by_name: dict) -> list[str]:
+    """``+warm`` runs and their cold twins (the same name without ``+warm``): the first request's TTFT and hit
+    rates, and the start-up, where the warm start's reads happen."""
+    warm = [row for row in rows if row.ok and "+warm" in row.name]
+    if not warm:
+        return []
+    lines = ["", "## Warm start: the first request (+warm against its cold twin)", "",
+             "A +warm run starts from the popularity a priming session saved (trace requests the measured prompts do "
+             "not replay) and reads its hottest experts into the pool (and RAM tier) **while loading**, before the "
+             "first request: those reads are in *load s* and *MiB read at load*, not in the TTFT. TTFT: the first "
+             "request's prefill, its waits on the SSD included; hit rates: the first request's pool hits.", "",
+             "| run | load s | MiB read at load | first prompt tokens | first-request TTFT s | first-request hit rate: "
+             "prefill / decode / all | SSD MiB read in the first request | priming: requests, tokens decoded, s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in warm:
+        for each in (by_name.get(row.name.replace("+warm", "")), row):
+            if each is None:
+                lines.append(f"| {row.name.replace('+warm', '')} | not run (the cold twin) |")
+                continue
+            first = each.first_request or {}
+            prime = each.priming
+            lines.append(
+                f"| {each.name} | {_f(each.load_s)} | {_f(each.load_read_bytes, '.0f', 1 / MIB)} | "
+                f"{_f(first.get('n_prompt'), '.0f')} | {_f(first.get('ttft_s'))} | "
+                f"{_f(first.get('prefill_hit_rate'), '.1%')} / {_f(first.get('decode_hit_rate'), '.1%')} / "
+                f"{_f(first.get('hit_rate'), '.1%')} | {_f(first.get('read_bytes'), '.0f', 1 / MIB)} | "
+                + (f"{prime['requests']:.0f}, {prime['decoded']:.0f}, {_f(prime.get('wall_s'), '.1f')} |" if prime
+                   else "– |"))
+    return lines
 
 
 def plot(results: dict, path: Path) -> bool:

@@ -1,6 +1,13 @@
 """Runs the benchmark: the disk probe, then every configuration in its own process, in one go on one
 machine (the reference once, the others once per round, optionally shuffled: configs.schedule); results
-are rewritten after each run (a bench cut short keeps what it measured)."""
+are rewritten after each run (a bench cut short keeps what it measured).
+
+A ``+warm`` config is two processes, each under the config's memory limit, the page cache dropped before each
+(limited runs): a priming session (replay.priming_requests: trace requests the measured prompts do not replay,
+at most ``warm_requests`` of them, each cut to ``warm_prompt_tokens`` prompt and ``warm_tokens`` decode tokens
+or ``warm_cap_s`` seconds of decode) that saves its popularity at close in a fresh temporary folder, then the
+measured run, which starts warm from it (its reads at load, in ``load_s``). A fresh process, so that nothing
+else carries over: not the page cache, not the blocks already checked against their sha256."""
 from __future__ import annotations
 
 import json
@@ -20,7 +27,7 @@ from ..pack.gguf_file import read_gguf_header
 from .cgroup import MemoryCage, drop_page_cache
 from .configs import BenchConfig, schedule
 from .diskbw import random_read_bandwidth
-from .replay import ReplayError, check_trace_fits
+from .replay import ReplayError, check_trace_fits, priming_requests
 from .report import write_report
 from .workload import DEFAULT_PROMPT_LENGTHS
 
@@ -50,6 +57,11 @@ class BenchPlan:
     routing: str | None = None            # a routing trace (.npz) the llamapack runs replay (bench/replay.py)
     upstream_bin: str | None = None       # folder of upstream llama.cpp's llama-batched-bench (bench/upstream_build.sh)
     upstream_configs: tuple = ()          # upstream.UpstreamConfig runs, after the llamapack runs
+    warm_routing: str | None = None       # +warm priming requests from this trace (None: ``routing``'s unused ones)
+    warm_requests: int = 2                # at most this many priming requests per +warm run
+    warm_prompt_tokens: int = 32          # each priming request's prompt, at most (the trace request's prefill rows)
+    warm_tokens: int = 100                # each priming request's decode tokens, at most (its decode rows)
+    warm_cap_s: float | None = None       # a priming request stops decoding after this long (None: decode_cap_s)
 
 
 def machine_facts() -> dict:
@@ -76,15 +88,17 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
     if needs_pack and not os.path.exists(pack_path):
         raise LlamapackError(f"no expert pack at {pack_path}: build it first with `llamapack pack {plan.model}`")
     routing = describe_routing(plan, model) if plan.routing else None
+    warm = describe_priming(plan, model) if any(c.warm_start for c in plan.configs) else None
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     results = dict(command=plan.command, machine={**machine_facts(), **plan.extra_facts},
                    model=dict(path=plan.model, size_bytes=sum(os.path.getsize(p) for p in model.paths),
                               expert_bytes=expert_bytes, n_moe_layers=len(layout.layers),
-                              n_expert=layout.num_experts, expert_stride=layout.expert_stride),
+                              n_expert=layout.num_experts, expert_stride=layout.expert_stride, top_k=top_k_of(model)),
                    workload=dict(prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode,
                                  decode_cap_s=plan.decode_cap_s, temperature=plan.temperature, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch,
                                  stage_slots=plan.stage_slots, read_splits=plan.read_splits,
-                                 rounds=plan.rounds, shuffle_seed=plan.shuffle_seed, routing=routing),
+                                 rounds=plan.rounds, shuffle_seed=plan.shuffle_seed, routing=routing,
+                                 **({"warm": warm} if warm else {})),
                    runs=[])
     probe_path, first, n_blocks = ((pack_path, layout.data_start, layout.num_blocks) if needs_pack
                                    else (model.paths[0], 0, os.path.getsize(model.paths[0]) // layout.expert_stride))
@@ -101,7 +115,8 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
         order = schedule(plan.configs, plan.rounds, plan.shuffle_seed)
         for index, (round_, config) in enumerate(order):
             echo(f"[{index + 1}/{len(order)}] {config.name}" + (f" (round {round_})" if plan.rounds > 1 else "") + " ...")
-            run = run_config(plan, config, expert_bytes, layout.num_blocks, pack_path, Path(tmp) / f"spec-{index}.json")
+            run = run_config(plan, config, expert_bytes, layout.num_blocks, pack_path, Path(tmp) / f"spec-{index}.json",
+                             warm=warm)
             run.update(round=round_, position=index + 1)
             results["runs"].append(run)
             echo(f"    {summary_line(run)}")
@@ -132,19 +147,38 @@ def run_upstream_configs(plan: BenchPlan, results: dict, tmp: Path, echo: Callab
         write_report(results, plan.out_dir)
 
 
+def top_k_of(model) -> int:
+    """The experts each token uses per MoE layer (``<arch>.expert_used_count``; 0 when the header lacks it)."""
+    return int(read_gguf_header(model.paths[0]).kv.get(f"{model.arch}.expert_used_count", ("", 0))[1])
+
+
 def describe_routing(plan: BenchPlan, model) -> dict:
     """The trace the llamapack runs replay, checked against the model's shape before any run starts."""
     from ..routing.trace import load_trace
 
     trace = load_trace(plan.routing)
-    arch = model.arch
-    top_k = int(read_gguf_header(model.paths[0]).kv.get(f"{arch}.expert_used_count", ("", 0))[1])
-    check_trace_fits(trace, len(model.layout.layers), model.layout.num_experts, top_k, plan.model)
+    check_trace_fits(trace, len(model.layout.layers), model.layout.num_experts, top_k_of(model), plan.model)
     if any(c.prefetch and not c.own_routing for c in plan.configs if c.source != "vanilla"):
         raise ReplayError("--routing replaces the router's choice; router lookahead guesses from the router, so "
                           "prefetch runs cannot replay a trace")
     return dict(path=os.path.abspath(plan.routing), source=trace.source, n_tokens=trace.n_tokens,
                 n_requests=trace.n_requests, n_decode_tokens=int((~trace.prefill).sum()))
+
+
+def describe_priming(plan: BenchPlan, model) -> dict:
+    """The priming requests of the +warm runs (replay.priming_requests), checked before any run starts."""
+    from ..routing.trace import load_trace
+
+    if not plan.routing:
+        raise ReplayError("+warm runs prime on trace requests the measured prompts do not replay: they need --routing")
+    source = plan.warm_routing or plan.routing
+    same = os.path.abspath(source) == os.path.abspath(plan.routing)
+    trace = load_trace(source)
+    check_trace_fits(trace, len(model.layout.layers), model.layout.num_experts, top_k_of(model), plan.model)
+    requests = priming_requests(trace, len(plan.prompt_lengths) if same else 0, plan.warm_requests,
+                                plan.warm_prompt_tokens, plan.warm_tokens)
+    return dict(routing=os.path.abspath(source), same_trace=same, requests=requests,
+                cap_s=plan.warm_cap_s if plan.warm_cap_s is not None else plan.decode_cap_s)
 
 
 def summary_line(run: dict) -> str:
@@ -157,19 +191,38 @@ def summary_line(run: dict) -> str:
 
 
 def run_config(plan: BenchPlan, config: BenchConfig, expert_bytes: int, n_experts: int, pack_path: str,
-               spec_path: Path) -> dict:
-    """One configuration in a worker process (under its memory limit, if any)."""
+               spec_path: Path, warm: dict | None = None) -> dict:
+    """One configuration in a worker process (under its memory limit, if any); a +warm one after its priming
+    process (``warm``: describe_priming's), whose record is the run's ``priming``."""
     spec = dict(config=config.as_dict(), model=plan.model, pack=pack_path, expert_bytes=expert_bytes,
                 n_experts=n_experts,
                 prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode, decode_cap_s=plan.decode_cap_s,
                 temperature=plan.temperature,
                 n_ctx=plan.n_ctx, n_batch=max(plan.n_ubatch, 512), n_ubatch=plan.n_ubatch,
                 stage_slots=plan.stage_slots, read_splits=plan.read_splits, routing=plan.routing)
-    spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
     lib = plan.vanilla_lib if config.source == "vanilla" else plan.patched_lib
     if lib:
         env["LLAMA_CPP_LIB_PATH"] = lib
+    priming = None
+    if config.warm_start:
+        warm_dir = spec_path.with_name(spec_path.stem + "-warm")
+        warm_dir.mkdir()
+        spec["warm_start_dir"] = str(warm_dir)
+        prime_path = spec_path.with_name(spec_path.stem + "-prime.json")
+        priming = _worker(plan, config, dict(spec, phase="prime", warm=warm), prime_path, env)
+        if "error" not in priming and not priming.get("saved"):
+            priming["error"] = "the priming session saved no warm-start file (was its popularity empty?)"
+        if "error" in priming:
+            return dict(config=config.as_dict(), error=f"priming: {priming['error']}", priming=priming)
+    run = _worker(plan, config, spec, spec_path, env)
+    return dict(run, priming=priming) if priming is not None else run
+
+
+def _worker(plan: BenchPlan, config: BenchConfig, spec: dict, spec_path: Path, env: dict) -> dict:
+    """Run the worker on ``spec`` (under the config's memory limit, the page cache dropped first); its JSON
+    with wall time, cgroup peak and OOM kills, or {config, error, ...}."""
+    spec_path.write_text(json.dumps(spec))
     command = [sys.executable, "-m", "llamapack.bench.worker", str(spec_path)]
     extra: dict = {}
     started = time.perf_counter()

@@ -3,6 +3,11 @@
 A process per configuration because one process loads one libllama (vanilla or patched, chosen by
 LLAMA_CPP_LIB_PATH) and because a memory limit applies to a whole process. Prints one JSON line.
 
+A ``+warm`` config runs in two processes: first the priming phase (``spec["phase"] == "prime"``: the same
+settings, warm start on in ``spec["warm_start_dir"]``, which is empty, so it starts cold; it serves the trace
+requests of ``spec["warm"]`` and saves the popularity at close), then the measured one, which starts warm from
+that folder. Every other config starts cold and saves nothing.
+
 Each prompt is one request from an empty context: evaluate the prompt (prefill; its end is the time to
 first token), then decode one token per eval until ``n_decode`` tokens or ``decode_cap_s``: greedy, or with
 ``temperature`` > 0 sampled from softmax(logits / T) by a generator seeded per request, so runs with the
@@ -14,6 +19,7 @@ from __future__ import annotations
 import llama_cpp  # noqa: F401  isort: skip - before numpy (see docs/hook.md: static C++ runtime)
 
 import hashlib
+import inspect
 import json
 import resource
 import sys
@@ -48,11 +54,33 @@ def load(spec: dict, config: BenchConfig):
                      prefetch_slots=4 * config.prefetch_depth, prefetch_in_flight=config.prefetch_in_flight)
     source = dict(gguf_direct=True) if config.source == "gguf_direct" else dict(pack=spec.get("pack") or True)
     read_splits = config.read_splits if config.read_splits is not None else spec.get("read_splits", 1)
-    return Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
-                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=config.native_reads,
-                 warm_start=False,  # every config starts cold: no counts carried from an earlier run or config
-                 verify_pack_sha256=config.verify, cache_policy=config.cache_policy,
-                 **extra, **params)
+    if config.warm_start != bool(spec.get("warm_start_dir")):
+        raise ValueError(f"{config.name}: a warm config runs with a warm_start_dir (its priming session's), "
+                         "any other without one")
+    # every other config starts cold: no counts carried from an earlier run or config, none saved
+    warm = dict(warm_start=True, warm_start_dir=spec["warm_start_dir"]) if config.warm_start else dict(warm_start=False)
+    llm = Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
+                stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=config.native_reads,
+                **warm, verify_pack_sha256=config.verify, cache_policy=config.cache_policy,
+                **hot_path_option(Llama, config), **extra, **params)
+    served = getattr(getattr(llm._provider, "settings", None), "native_hot_path", True)
+    if served != config.native_hot_path:
+        llm.close()
+        raise RuntimeError(f"{config.name}: asked native_hot_path={config.native_hot_path}, the provider runs "
+                           f"with {served}")
+    return llm
+
+
+def hot_path_option(llama_class, config: BenchConfig) -> dict:
+    """``native_hot_path`` for ``llamapack.Llama`` when it takes that parameter; {} when it does not and the
+    config keeps the default. ``+pyhot`` on a Llama without the parameter is an error, never a silent default
+    (llama_cpp.Llama takes unknown keywords and ignores them)."""
+    if "native_hot_path" in inspect.signature(llama_class.__init__).parameters:
+        return dict(native_hot_path=config.native_hot_path)
+    if not config.native_hot_path:
+        raise RuntimeError(f"{config.name}: +pyhot needs llamapack.Llama to take native_hot_path "
+                           "(StreamingSettings has it; this Llama does not pass it on)")
+    return {}
 
 
 def last_logits(llm) -> np.ndarray:
@@ -70,7 +98,11 @@ COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_by
 
 
 def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before.get(k, 0) for k in COUNTER_DELTAS if k in after}
+    """Counter deltas: COUNTER_DELTAS, and any number whose name mentions the hot path ("hot"), whatever the
+    provider calls its native hot path's counters."""
+    names = [*COUNTER_DELTAS, *(k for k in after if "hot" in k and k not in COUNTER_DELTAS)]
+    return {k: after[k] - before.get(k, 0) for k in names
+            if k in after and isinstance(after[k], (int, float)) and not isinstance(after[k], bool)}
 
 
 def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
@@ -114,11 +146,54 @@ def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float, temp
                 prefill_counters=delta(c1, c0), decode_counters=delta(c2, c1))
 
 
+PROVIDER_FACTS = ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots", "prefetch_top",
+                  "prefetch_depth", "prefetch_in_flight", "read_engine")
+
+
+def provider_facts(llm, stats: dict) -> dict:
+    facts = {k: stats[k] for k in PROVIDER_FACTS if k in stats}
+    settings = getattr(getattr(llm, "_provider", None), "settings", None)
+    if settings is not None:
+        facts["native_hot_path"] = getattr(settings, "native_hot_path", True)
+    return facts
+
+
+def prime(spec: dict) -> dict:
+    """The priming session of a ``+warm`` config: the trace requests of ``spec["warm"]`` (replayed), then close,
+    which saves the popularity under ``spec["warm_start_dir"]``; what it ran and which files it left."""
+    from ..routing.trace import load_trace
+    from .replay import install
+
+    config = BenchConfig(**spec["config"])
+    warm = spec["warm"]
+    started = time.perf_counter()
+    llm = load(spec, config)
+    load_s = time.perf_counter() - started
+    try:
+        replay = install(llm._provider, load_trace(warm["routing"]))
+        requests = []
+        for item in warm["requests"]:
+            done = run_request(llm, prompt_tokens(llm, item["n_prompt"]), item["decode_tokens"] + 1, warm["cap_s"],
+                               spec.get("temperature", 0.0), seed=item["request"], replay=replay,
+                               request_index=item["request"])
+            requests.append(dict(request=item["request"], **{k: done[k] for k in ("n_prompt", "prefill_s", "n_decoded",
+                                                                                  "decode_s")}))
+    finally:
+        llm.close()  # saves the popularity
+    files = sorted(Path(spec["warm_start_dir"]).glob("*.json"))
+    layers = len(json.loads(files[0].read_text()).get("layers", {})) if files else 0
+    return dict(phase="prime", load_s=load_s, requests=requests, saved=[f.name for f in files], layers_saved=layers,
+                max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
 def run(spec: dict) -> dict:
+    if spec.get("phase") == "prime":
+        return prime(spec)
     config = BenchConfig(**spec["config"])
     started = time.perf_counter()
     llm = load(spec, config)
     load_s = time.perf_counter() - started
+    loaded = provider_counters(llm)  # what the start-up did: a warm start's (or preload's) reads
     try:
         replay = None
         if spec.get("routing") and config.uses_provider and not config.own_routing:
@@ -130,14 +205,11 @@ def run(spec: dict) -> dict:
         for index, n_prompt in enumerate(spec["prompt_lengths"]):
             requests.append(run_request(llm, prompt_tokens(llm, n_prompt), spec["n_decode"], spec["decode_cap_s"],
                                         spec.get("temperature", 0.0), seed=index, replay=replay, request_index=index))
-        pack = provider_counters(llm)
+        facts = provider_facts(llm, provider_counters(llm))  # before close: the provider goes with it
     finally:
         llm.close()
-    return dict(config=config.as_dict(), load_s=load_s, requests=requests,
-                routing="replayed" if replay is not None else "own",
-                provider={k: pack[k] for k in ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots",
-                                          "prefetch_top", "prefetch_depth", "prefetch_in_flight", "read_engine")
-                                          if k in pack},
+    return dict(config=config.as_dict(), load_s=load_s, load_counters=delta(loaded, {}), requests=requests,
+                routing="replayed" if replay is not None else "own", provider=facts,
                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
