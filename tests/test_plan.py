@@ -312,3 +312,19 @@ def test_settings_give_back_the_same_slot_counts():
         assert int(settings["cache_vram_mib"] * MIB) // shape.slot_bytes == slots
         if blocks:
             assert int(settings["ram_cache_mib"] * MIB) // shape.block_bytes == blocks
+
+
+def test_predict_takes_the_policy_and_prefill_lengths(tmp_path):
+    """What bench/plan_vs_measured.py asks of the planner: a run's own policy, prefill at the bench's lengths."""
+    from llamapack.cache_policy import policy_class
+
+    shape = ModelShape("small", 4, 16, 4, 1 << 20, 1 << 20, 1e6, 1 << 24)
+    trace = hits.decode_trace(shape, tmp_path)
+    budgets = Budgets(12, 0, 1, True)
+    default = recommend.predict(shape, GPU, "x", budgets, trace, 256)
+    assert sorted(default.prefill) == [512, 4096]
+    lfu = recommend.predict(shape, GPU, "x", budgets, trace, 256, prefill_lengths=(32,), policy=policy_class("lfu-lru"))
+    assert list(lfu.prefill) == [32]
+    assert lfu.decode_loads == hits.decode_loads(trace, 12, 0, policy=policy_class("lfu-lru"))
+    assert default.decode_loads == hits.decode_loads(trace, 12, 0)
+    assert lfu.decode_loads != default.decode_loads  # another policy, other hits

@@ -95,12 +95,13 @@ def decode_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) 
 
 
 def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots: int, tier_blocks: int,
-           n_tokens: int = 1) -> StepLoads:
+           n_tokens: int = 1, policy=None) -> StepLoads:
     """Sum the loads of the ``measured`` steps after replaying all of ``steps`` (each of ``n_tokens`` tokens, as the
     provider tells the policies) through a pool of ``pool_slots`` and a tier of ``tier_blocks`` (0: none), each
-    with the default policy."""
-    pool = cache_policy.DEFAULT_POLICY(pool_slots)
-    tier = cache_policy.DEFAULT_POLICY(tier_blocks) if tier_blocks else None
+    with ``policy`` (a policy class; None: the default policy)."""
+    policy = policy or cache_policy.DEFAULT_POLICY
+    pool = policy(pool_slots)
+    tier = policy(tier_blocks) if tier_blocks else None
     lookups = pool_hits = ram_hits = ssd_reads = 0
     for step, counted in zip(steps, measured):
         if not step:
@@ -118,12 +119,12 @@ def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots:
     return StepLoads(lookups, pool_hits, ram_hits, ssd_reads)
 
 
-def decode_loads(trace: RoutingTrace, pool_slots: int, tier_blocks: int) -> StepLoads:
+def decode_loads(trace: RoutingTrace, pool_slots: int, tier_blocks: int, policy=None) -> StepLoads:
     """Loads per decode token of the trace's last request (the earlier requests warm the cache)."""
     last_start = trace.request_bounds()[-1][0]
     measured_tokens = (np.arange(trace.n_tokens) >= last_start) & ~trace.prefill
     measured = np.repeat(measured_tokens, trace.n_layers).tolist()
-    total = replay(trace.steps(), measured, pool_slots, tier_blocks)
+    total = replay(trace.steps(), measured, pool_slots, tier_blocks, policy=policy)
     return _per(total, int(measured_tokens.sum()))
 
 
@@ -138,13 +139,13 @@ def ubatch_steps(inclusion: np.ndarray, n_tokens: int, n_ubatch: int, rng: np.ra
 
 
 def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: int, tier_blocks: int,
-                  seed: int = TRACE_SEED) -> StepLoads:
+                  seed: int = TRACE_SEED, policy=None) -> StepLoads:
     """Loads per ubatch of a prompt of ``n_tokens`` after one such prompt warmed the cache."""
     inclusion = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k).inclusion()
     rng = np.random.default_rng(seed)
     warm, measured = (ubatch_steps(inclusion, n_tokens, n_ubatch, rng) for _ in range(2))
     total = replay(warm + measured, [False] * len(warm) + [True] * len(measured), pool_slots, tier_blocks,
-                   n_tokens=min(n_tokens, n_ubatch))
+                   n_tokens=min(n_tokens, n_ubatch), policy=policy)
     return _per(total, -(-n_tokens // n_ubatch))
 
 

@@ -96,12 +96,14 @@ def alternatives(shape: ModelShape, chosen: Budgets) -> list[tuple[str, Budgets]
 
 
 def predict(shape: ModelShape, machine: Machine, label: str, budgets: Budgets, trace, n_ctx: int,
-            costs: Costs = DEFAULT_COSTS) -> Prediction:
-    """Decode and prefill predictions for ``budgets`` (``trace``: ``hits.decode_trace(shape)``)."""
-    per_token = hits.decode_loads(trace, budgets.pool_slots, budgets.tier_blocks)
+            costs: Costs = DEFAULT_COSTS, prefill_lengths=PREFILL_LENGTHS, policy=None) -> Prediction:
+    """Decode and prefill predictions for ``budgets`` (``trace``: ``hits.decode_trace(shape)``), prefill at each of
+    ``prefill_lengths`` tokens; ``policy``: the pool's and tier's policy class (None: the default policy)."""
+    per_token = hits.decode_loads(trace, budgets.pool_slots, budgets.tier_blocks, policy=policy)
     prefill = {}
-    for n_tokens in PREFILL_LENGTHS:
-        per_ubatch = hits.prefill_loads(shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks)
+    for n_tokens in prefill_lengths:
+        per_ubatch = hits.prefill_loads(shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks,
+                                        policy=policy)
         prefill[n_tokens] = prefill_time(shape, machine, n_tokens, budgets.n_ubatch, per_ubatch, costs)
     return Prediction(label, budgets, decode_time(shape, machine, per_token, costs), per_token, prefill,
                       memory_use(shape, budgets, n_ctx), shape.block_bytes)
