@@ -27,6 +27,10 @@
 #   decode time cap; default DECODE_CAP_S). +pyhot runs a config with every step through the Python provider
 #   (the native hot path off: #24's before/after in one run). Under MEMORY_LIMIT_MIB the priming process runs
 #   in the same cgroup limit, the page cache dropped before it and before the measured process.
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 TAG=q30b bash bench/device_bench.sh plan", ...)  # #26: the
+#   plan's predictions for every llamapack run of $OUT/bench-TAG/bench.json against what it measured, with the
+#   plan's probes measured on this machine (REPROBE=1: again) -> plan_vs_measured.md/.json beside bench.json;
+#   PLAN=1 with bench does the same right after the bench (PLAN_COSTS=<file.json>: other plan.model.Costs)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -56,6 +60,14 @@ bitexact() {
     local json="$1"; shift
     python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/$json" --provider streaming --sources gguf pack --ubatch 1 512 "$@" 2>&1 | tail -2
+}
+
+# the plan's predictions for each llamapack run of DIR/bench.json against its measurements, the plan's probes
+# measured here (cached per machine; REPROBE=1 measures again) -> DIR/plan_vs_measured.md and .json
+plan_vs_measured() {
+    [ -f "$1/bench.json" ] || { echo "plan: no $1/bench.json (run bench with the same TAG first)"; return 1; }
+    python3 bench/plan_vs_measured.py "$1/bench.json" --model "$model" --out "$1" ${REPROBE:+--reprobe} \
+        ${PLAN_COSTS:+--costs $PLAN_COSTS} 2>&1
 }
 
 case "${1:-prepare}" in
@@ -146,5 +158,9 @@ bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after 
         ${WARM_ROUTING:+--warm-routing $WARM_ROUTING} ${WARM_REQUESTS:+--warm-requests $WARM_REQUESTS} \
         ${WARM_PROMPT_TOKENS:+--warm-prompt-tokens $WARM_PROMPT_TOKENS} ${WARM_TOKENS:+--warm-tokens $WARM_TOKENS} \
         ${WARM_CAP_S:+--warm-cap-s $WARM_CAP_S} ${CONFIGS:+--configs $CONFIGS} 2>&1
+    [ -z "${PLAN:-}" ] || plan_vs_measured "$results"
+    ;;
+plan)  # #26: predicted vs measured for $OUT/bench-TAG (a bench of this call or an earlier one on this machine)
+    plan_vs_measured "$out/bench${TAG:+-$TAG}"
     ;;
 esac

@@ -1,0 +1,173 @@
+"""Predicted vs measured (llamapack/bench/plan_check.py, bench/plan_vs_measured.py) on CPU: the committed H200
+results with recorded probe figures (what each row takes from the run and what it predicts; no timing is
+asserted), the script's files and refusals, and the device path (shape from the GGUF, the plan's probe) on a tiny
+model benchmarked here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llamapack.bench.plan_check import PlanCheckError, check, costs_from, markdown, write
+from llamapack.cache_policy import policy_class
+from llamapack.plan import hits, probe
+from llamapack.plan.model import DEFAULT_COSTS, decode_compute_s, decode_time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+Q30B = os.path.join(REPO, "bench", "results", "gpu_routing_q30b.json")
+POLICY = os.path.join(REPO, "bench", "results", "gpu_routing_q30b_policy.json")
+GRANITE = os.path.join(REPO, "bench", "results", "gpu_routing_granite.json")
+STRIDE = 2654208
+
+
+def probe_file(tmp_path, disk=1.1e9, h2d=20e9, block=STRIDE):
+    """A probe cache file as the plan's probe writes it on a GPU machine."""
+    path = tmp_path / "probe.json"
+    probe.save_cache(path, {"disks": {f"2049:{block}": {"bytes_per_s": disk, "block_bytes": block, "threads": 4,
+                                                         "path": "pack", "when": 0}},
+                            "cpu": {"read_bytes_per_s": 20e9, "flops": 5e11},
+                            **({"h2d_bytes_per_s": h2d} if h2d else {})})
+    return path
+
+
+@pytest.fixture(scope="module")
+def q30b(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pvm")
+    return check(Q30B, probe_file=str(probe_file(folder)), cache_dir=folder), folder
+
+
+def test_rows_take_the_runs_budgets_and_measurements(q30b):
+    (table, meta), _ = q30b
+    results = json.loads(open(Q30B).read())
+    rows = {r["config"]: r for r in table["decode"]}
+    # every llamapack run of the file, and vanilla-vram's compute term; not cpu-moe, not upstream's runs
+    assert list(rows) == ["vanilla-vram", "pack-25%+ram+preload", "pack-50%+ram+preload", "pack-12.5%@8G",
+                          "pack-25%@8G", "pack-50%@8G"]
+    assert [(rows[n]["pool_slots"], rows[n]["tier_blocks"]) for n in list(rows)[1:]] == [
+        (1536, 6144), (3072, 6144), (768, 0), (1536, 0), (3072, 0)]
+    assert meta["shape"]["top_k"] == 8 and meta["shape"]["n_experts"] == 128  # top-k from the replayed trace
+    run = next(r for r in results["runs"] if r["config"]["name"] == "pack-25%@8G")
+    decoded = sum(r["n_decoded"] for r in run["requests"])
+    row = rows["pack-25%@8G"]
+    assert row["measured_decode_tok_s"] == pytest.approx(decoded / sum(r["decode_s"] for r in run["requests"]))
+    assert row["measured_pool_hit_rate"] == pytest.approx(0.801, abs=0.001)  # the README's 80.1%
+    assert row["ratio"] == pytest.approx(row["predicted_decode_tok_s"] / row["measured_decode_tok_s"])
+    assert row["within"] == (abs(row["ratio"] - 1) <= 0.2)
+    # the time model fed the run's own loads: compute + hook + its SSD reads per token at the probe's 1.1 GB/s
+    misses = sum(r["decode_counters"]["cache_misses"] for r in run["requests"])
+    from llamapack.bench.plan_check import shape_from_results, machine_from_probe_file
+
+    shape = shape_from_results(results, 8)
+    machine, _ = machine_from_probe_file(q30b[1] / "probe.json", STRIDE)
+    expected = decode_compute_s(shape, machine) + 48 * DEFAULT_COSTS.gpu_hook_s_per_layer + misses / decoded * STRIDE / 1.1e9
+    assert row["time_model_on_measured_hits_tok_s"] == pytest.approx(1 / expected)
+    # the prediction is the plan's: its trace replayed through NextUse at these slots, then the same time model
+    loads = hits.decode_loads(hits.decode_trace(shape, q30b[1] / "plan"), 1536, 0)
+    assert row["predicted_pool_hit_rate"] == pytest.approx(loads.pool_hit_rate)
+    assert row["predicted_decode_tok_s"] == pytest.approx(1 / decode_time(shape, machine, loads).total)
+    low, high = row["predicted_at_bench_disk_tok_s"]  # the bench's probes: 0.83 and 1.78 GB/s
+    assert low < row["predicted_decode_tok_s"] < high
+    assert rows["vanilla-vram"]["predicted_decode_tok_s"] == pytest.approx(1 / decode_compute_s(shape, machine))
+    predicted = [rows[n]["predicted_decode_tok_s"] for n in ("pack-12.5%@8G", "pack-25%@8G", "pack-50%@8G")]
+    assert predicted == sorted(predicted)  # a bigger pool, faster
+    assert "tier filled at load: not modelled" in rows["pack-25%+ram+preload"]["notes"][0]
+    assert rows["pack-25%+ram+preload"]["measured_tier_hit_rate"] == 1.0  # preloaded: every pool miss hit the tier
+
+
+def test_prefill_rows_and_markdown(q30b):
+    (table, meta), _ = q30b
+    prefill = {(r["config"], r["n_tokens"]): r for r in table["prefill"]}
+    assert ("pack-25%@8G", 512) in prefill and ("pack-25%@8G", 32) in prefill
+    assert prefill[("pack-25%@8G", 512)]["measured_tok_s"] == pytest.approx(512 / 12.235124155999983)
+    text = markdown(table, meta)
+    n_within = sum(r["within"] for r in table["decode"])
+    assert f"**Decode within ±20%: {n_within} of 6**" in text
+    assert "| pack-25%@8G | 1536 / 0 |" in text and "## Prefill" in text
+    assert "probe file" in text and "(plan.model.DEFAULT_COSTS)" in text
+
+
+def test_faster_disk_and_the_policy_of_each_run(tmp_path):
+    slow, _ = check(POLICY, probe_file=str(probe_file(tmp_path)), cache_dir=tmp_path)
+    fast, meta = check(POLICY, probe_file=str(probe_file(tmp_path)), disk_gbps=3.0, cache_dir=tmp_path)
+    assert "disk set to 3 GB/s" in meta["machine_source"]
+    by = lambda table: {r["config"]: r for r in table["decode"]}  # noqa: E731
+    assert by(fast)["pack-25%@8G"]["predicted_decode_tok_s"] > by(slow)["pack-25%@8G"]["predicted_decode_tok_s"]
+    rows = by(slow)
+    assert rows["pack-12.5%+lfulru@8G"]["policy"] == "lfu-lru" and rows["pack-12.5%@8G"]["policy"] == "next-use"
+    results = json.loads(open(POLICY).read())
+    from llamapack.bench.plan_check import shape_from_results
+
+    trace = hits.decode_trace(shape_from_results(results, 8), tmp_path / "plan")
+    lfu = hits.decode_loads(trace, 768, 0, policy=policy_class("lfu-lru"))
+    assert rows["pack-12.5%+lfulru@8G"]["predicted_pool_hit_rate"] == pytest.approx(lfu.pool_hit_rate)
+    assert lfu.pool_hit_rate != pytest.approx(rows["pack-12.5%@8G"]["predicted_pool_hit_rate"])
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(PlanCheckError, match="--model.*or --probe-file"):
+        check(Q30B, cache_dir=tmp_path)
+    with pytest.raises(PlanCheckError, match="no host-to-device copy rate.*--h2d-gbps"):
+        check(Q30B, probe_file=str(probe_file(tmp_path, h2d=None)), cache_dir=tmp_path)
+    table, _ = check(Q30B, probe_file=str(probe_file(tmp_path, h2d=None)), h2d_gbps=25, cache_dir=tmp_path)
+    assert table["decode"]
+    results = json.loads(open(GRANITE).read())
+    results["workload"]["routing"]["path"] = "/nowhere/unknown.npz"
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    with pytest.raises(PlanCheckError, match="top-k not recorded.*--top-k"):
+        check(tmp_path / "r.json", probe_file=str(probe_file(tmp_path)), cache_dir=tmp_path)
+    table, meta = check(tmp_path / "r.json", probe_file=str(probe_file(tmp_path)), top_k=8, cache_dir=tmp_path)
+    assert meta["shape"]["top_k"] == 8 and {r["config"] for r in table["decode"]} >= {"pack-25%@2G"}
+    (tmp_path / "costs.json").write_text(json.dumps({"gpu_hook_s_per_layer": 1e-5, "nope": 1}))
+    with pytest.raises(PlanCheckError, match="unknown Costs field.*nope"):
+        costs_from(str(tmp_path / "costs.json"))
+
+
+def test_script_writes_the_table(tmp_path):
+    (tmp_path / "costs.json").write_text(json.dumps({"gpu_hook_s_per_layer": 1e-5}))
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "plan_vs_measured.py"), GRANITE, "--probe-file",
+                           str(probe_file(tmp_path, block=3145728)), "--costs", str(tmp_path / "costs.json"),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "plan_vs_measured.json").read_text())
+    assert data["meta"]["costs"]["gpu_hook_s_per_layer"] == 1e-5 and data["meta"]["costs_overridden"]
+    assert {r["config"] for r in data["decode"]} == {"vanilla-vram", "pack-25%+ram+preload", "pack-12.5%@2G",
+                                                     "pack-25%@2G", "pack-50%@2G"}
+    assert proc.stdout.startswith("# Predicted (llamapack plan) vs measured (llamapack bench): granite.gguf")
+    assert (tmp_path / "out" / "plan_vs_measured.md").read_text() in proc.stdout
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "bench", "plan_vs_measured.py"), GRANITE],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 1 and bad.stderr.startswith("Error: machine figures") and "Traceback" not in bad.stderr
+
+
+def test_on_the_machine_that_ran_the_bench(tmp_path):
+    """The device path on a tiny model: a CPU bench (host pool), then the check with --model: the shape from the
+    GGUF, the figures from the plan's probe (recorded here), each run's slots from the run."""
+    from llamapack.pack import build_pack
+    from llamapack.synth import write_model
+
+    model = write_model(tmp_path / "tiny.gguf", "qwen3moe-tiny", seed=0)
+    build_pack(model, progress=False, safety_margin_mib=0)
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", "6", "--prompt-lengths", "8",
+         "-ub", "1", "--temperature", "1.0", "--configs", "vanilla,pack-25%,pack-50%+lfulru"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "bench.json").read_text())["model"]["top_k"] == 4  # recorded now
+    target = probe.disk_target(str(model), str(model.with_suffix(".expert-pack")))
+    probe.save_cache(probe.probe_file(tmp_path / "cache" / "probe"), {
+        "disks": {target.key: {"bytes_per_s": 2e9, "block_bytes": target.block_bytes, "threads": 4,
+                               "path": target.path, "when": 0}}, "cpu": {"read_bytes_per_s": 20e9, "flops": 2e11}})
+    table, meta = check(out / "bench.json", model=str(model), cache_dir=tmp_path / "cache")
+    assert meta["shape_source"].startswith("read from") and meta["machine_source"].startswith("cached")
+    rows = {r["config"]: r for r in table["decode"]}
+    assert set(rows) == {"pack-25%", "pack-50%+lfulru"}  # no vanilla-vram on a CPU bench
+    assert (rows["pack-25%"]["pool_slots"], rows["pack-25%"]["gpu_pool"]) == (16, False)  # 25% of 4 x 16, host pool
+    assert rows["pack-50%+lfulru"]["policy"] == "lfu-lru" and rows["pack-50%+lfulru"]["pool_slots"] == 32
+    assert all(r["predicted_decode_tok_s"] > 0 and r["measured_decode_tok_s"] > 0 for r in rows.values())
+    md, js = write(table, meta, tmp_path / "table")
+    assert json.loads(js.read_text())["decode"][0]["config"] == "pack-25%" and md.read_text().startswith("# Predicted")
