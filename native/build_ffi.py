@@ -57,6 +57,26 @@ int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct lla
 void    llama_expert_detach(struct llama_context * ctx);
 const char * llama_expert_last_error(const struct llama_context * ctx);
 
+struct llama_expert_policy;
+struct llama_expert_policy * llama_expert_policy_new(int32_t n_slots, double half_life, int32_t horizon, double rate_half_life);
+void    llama_expert_policy_free(struct llama_expert_policy * policy);
+int32_t llama_expert_policy_acquire(struct llama_expert_policy * policy, const int32_t * keys, int32_t n_keys,
+                                    int32_t n_tokens, int32_t * out_keys, int32_t * out_slots, uint8_t * out_hits,
+                                    int32_t * evicted_keys, int32_t * evicted_slots, int32_t * n_evicted);
+int32_t llama_expert_policy_abandon(struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+int32_t llama_expert_policy_slot_of(const struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+int32_t llama_expert_policy_size(const struct llama_expert_policy * policy);
+int32_t llama_expert_policy_resident(const struct llama_expert_policy * policy, int32_t * keys, int32_t * slots, int32_t cap);
+double  llama_expert_policy_frequency(const struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+double  llama_expert_policy_next_use(struct llama_expert_policy * policy, int32_t layer, int32_t expert);
+int32_t llama_expert_policy_reuse_rates(const struct llama_expert_policy * policy, double * out, int32_t cap);
+int32_t llama_expert_policy_popular_layers(const struct llama_expert_policy * policy, int32_t * layers, int32_t cap);
+int32_t llama_expert_policy_popularity(const struct llama_expert_policy * policy, int32_t layer, double * shares, int32_t cap);
+void    llama_expert_policy_seed(struct llama_expert_policy * policy, const int32_t * layers, const int32_t * n_shares,
+                                 const double * shares, int32_t n_layers);
+int32_t llama_expert_policy_preload(struct llama_expert_policy * policy, const int32_t * keys, int32_t n_keys,
+                                    int32_t * load_keys, int32_t * load_slots);
+
 struct llama_expert_read_pool;
 struct llama_expert_read_status {
     int32_t  state;

@@ -37,7 +37,9 @@ PATCHES = sorted((REPO / "patches").glob("*.patch"))
 NATIVE_FILES = [("llama-expert.h", "include/llama-expert.h"),
                 ("llama-expert-impl.h", "src/llama-expert-impl.h"),
                 ("llama-expert.cpp", "src/llama-expert.cpp"),
-                ("llama-expert-io.cpp", "src/llama-expert-io.cpp")]
+                ("llama-expert-io.cpp", "src/llama-expert-io.cpp"),
+                ("llama-expert-policy.h", "src/llama-expert-policy.h"),
+                ("llama-expert-policy.cpp", "src/llama-expert-policy.cpp")]
 # dropped from a trimmed tree: not needed to build libllama/libggml for CPU or CUDA
 TRIM = ["vendor/llama.cpp/models", "vendor/llama.cpp/docs", "vendor/llama.cpp/media", "vendor/llama.cpp/tests",
         "vendor/llama.cpp/examples", "vendor/llama.cpp/gguf-py", "vendor/llama.cpp/benches",
