@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 4
+EXPECTED_API_VERSION = 5
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -160,6 +160,46 @@ def hook_stats(ctx) -> dict:
     lib().llama_expert_hook_stats_get(ctx, out)
     return dict(provider_calls=out.provider_calls, prefetch_calls=out.prefetch_calls,
                 provider_call_s=out.provider_s, prefetch_call_s=out.prefetch_s)
+
+
+def set_fast_path(ctx, pool_policy, tier_policy=None, tier_holds_every_key: bool = False, block_addrs=(),
+                  copy_spans=(), first_layer: int = 0, h2d: int | None = None, sync: int | None = None,
+                  stream: int = 0):
+    """Turn the native hot path on (``llama_expert_fast_path_desc``): ``pool_policy``/``tier_policy`` are
+    policy_native.NativeNextUsePolicy instances (the provider's own), ``block_addrs`` the tier's block
+    addresses, ``copy_spans`` (layer, pool offset, slot stride, block offset, nbytes) per role of each served
+    layer; ``h2d``/``sync``: addresses of cuMemcpyHtoDAsync_v2 / cuStreamSynchronize for a GPU pool (None: a
+    host pool, memcpy). Returns what must stay alive while it is on (the description's arrays)."""
+    blocks = ffi.new("void *[]", [ffi.cast("void *", addr) for addr in block_addrs] or [ffi.NULL])
+    spans = ffi.new("struct llama_expert_copy_span[]", [tuple(span) for span in copy_spans] or 1)
+    desc = ffi.new("struct llama_expert_fast_path_desc *", {
+        "pool": pool_policy.ptr, "tier": tier_policy.ptr if tier_policy is not None else ffi.NULL,
+        "tier_holds_every_key": int(tier_holds_every_key), "n_blocks": len(block_addrs), "block_addrs": blocks,
+        "n_spans": len(copy_spans), "spans": spans, "first_layer": first_layer,
+        "h2d": ffi.cast("llama_expert_h2d_fn", h2d or 0), "sync": ffi.cast("llama_expert_sync_fn", sync or 0),
+        "stream": ffi.cast("void *", stream)})
+    if lib().llama_expert_fast_path_set(ctx, desc) != 0:
+        raise NativeError(last_error(ctx))
+    return blocks, spans, desc
+
+
+def clear_fast_path(ctx) -> None:
+    lib().llama_expert_fast_path_set(ctx, ffi.NULL)
+
+
+def set_fast_path_block(ctx, block: int, addr: int) -> None:
+    """RAM block ``block`` now lives at ``addr`` (its memory was replaced)."""
+    if lib().llama_expert_fast_path_set_block(ctx, block, ffi.cast("void *", addr)) != 0:
+        raise NativeError(last_error(ctx))
+
+
+def fast_path_counts(ctx) -> dict:
+    """What the native hot path served, as provider counter totals (telemetry.ProviderCounters names)."""
+    out = ffi.new("struct llama_expert_fast_path_stats *")
+    lib().llama_expert_fast_path_stats_get(ctx, out)
+    return dict(acquires=out.steps, native_steps=out.steps, tokens=out.tokens, cache_hits=out.cache_hits,
+                cache_misses=out.cache_misses, cache_evictions=out.cache_evictions, ram_hits=out.ram_hits,
+                h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s)
 
 
 def detach(ctx) -> None:

@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class ProviderCounters:
     prefetch_wasted: int = 0    # lookahead reads the layer did not ask for, (partly) read ...
     prefetch_wasted_bytes: int = 0  # ... and their bytes (also in pack_read_bytes)
     prefetch_cancelled: int = 0  # lookahead reads the layer did not ask for, cancelled before any piece ran
+    native_steps: int = 0  # acquires served inside libllama (native hot path: no Python), counted in acquires too
 
     @property
     def lookups(self) -> int:
@@ -95,11 +96,16 @@ WAIT_COUNTERS = frozenset(("read_wait_s", "copy_wait_s", "provide_s", "lookahead
 
 
 class CounterAccumulator:
-    """The mutable side: thread-safe increments, frozen snapshots."""
+    """The mutable side: thread-safe increments, frozen snapshots.
 
-    def __init__(self):
+    ``external``: counts kept elsewhere (libllama's native hot path), as a callable returning {counter: total};
+    each snapshot adds them (less what they were at the last ``reset``)."""
+
+    def __init__(self, external: Callable[[], dict] | None = None):
         self._lock = threading.Lock()
         self._values = asdict(ProviderCounters())
+        self.external = external
+        self._external_base: dict = {}
 
     def add(self, **deltas: float) -> None:
         """Add to counters by name, e.g. ``add(pack_read_bytes=n, read_wait_s=t)``; deltas must be >= 0."""
@@ -164,14 +170,20 @@ class CounterAccumulator:
             self.add_seconds(wait_counter, time.perf_counter() - started)
 
     def snapshot(self) -> ProviderCounters:
+        external = self.external() if self.external is not None else {}
         with self._lock:
-            return ProviderCounters(**self._values)
+            values = dict(self._values)
+            for name, total in external.items():
+                values[name] += total - self._external_base.get(name, 0)
+            return ProviderCounters(**values)
 
     def reset(self) -> ProviderCounters:
         """Zero every counter; returns the snapshot taken just before."""
+        external = self.external() if self.external is not None else {}
+        final = self.snapshot()
         with self._lock:
-            final = ProviderCounters(**self._values)
             self._values = asdict(ProviderCounters())
+            self._external_base = external
         return final
 
 

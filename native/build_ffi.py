@@ -77,6 +77,44 @@ void    llama_expert_policy_seed(struct llama_expert_policy * policy, const int3
 int32_t llama_expert_policy_preload(struct llama_expert_policy * policy, const int32_t * keys, int32_t n_keys,
                                     int32_t * load_keys, int32_t * load_slots);
 
+struct llama_expert_policy;
+typedef int32_t (*llama_expert_h2d_fn)(uint64_t dst, const void * src, size_t nbytes, void * stream);
+typedef int32_t (*llama_expert_sync_fn)(void * stream);
+struct llama_expert_copy_span {
+    int32_t  layer;
+    uint64_t pool_offset;
+    uint64_t slot_stride;
+    uint64_t block_offset;
+    uint64_t nbytes;
+};
+struct llama_expert_fast_path_desc {
+    struct llama_expert_policy * pool;
+    struct llama_expert_policy * tier;
+    int32_t                      tier_holds_every_key;
+    int32_t                      n_blocks;
+    void * const *               block_addrs;
+    int32_t                      n_spans;
+    const struct llama_expert_copy_span * spans;
+    int32_t                      first_layer;
+    llama_expert_h2d_fn          h2d;
+    llama_expert_sync_fn         sync;
+    void *                       stream;
+};
+struct llama_expert_fast_path_stats {
+    int64_t  steps;
+    int64_t  tokens;
+    int64_t  cache_hits;
+    int64_t  cache_misses;
+    int64_t  cache_evictions;
+    int64_t  ram_hits;
+    uint64_t h2d_bytes;
+    double   seconds;
+    double   copy_s;
+};
+int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);
+int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
+int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
+
 struct llama_expert_read_pool;
 struct llama_expert_read_status {
     int32_t  state;

@@ -2,6 +2,7 @@
 //
 // Copied into the vendored llama.cpp as src/llama-expert.cpp and compiled into the llama target.
 #include "llama-expert-impl.h"
+#include "llama-expert-fast.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -82,7 +83,11 @@ struct llama_expert_hook {
     std::atomic<bool> failed{false};
     std::mutex        error_mutex;
     std::string       last_error;
+    std::string       fast_error;
     uint64_t          generation = 1;
+
+    // native hot path (optional): steps needing no SSD read are served without the provider
+    std::unique_ptr<llama_expert_fast_path> fast;
 
     std::vector<int32_t> scratch_ids;
     std::vector<int32_t> scratch_slots;
@@ -204,6 +209,11 @@ uint64_t llama_expert_hook_generation(const llama_expert_hook * hook) {
 
 // --- graph side -------------------------------------------------------------------------------------------
 
+static std::string & fast_error(llama_expert_hook * hook) {
+    hook->fast_error.clear();
+    return hook->fast_error;
+}
+
 // CPU custom op: selected expert ids -> provider -> slot ids. Runs on one thread (n_tasks = 1).
 static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
@@ -239,11 +249,22 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
     }
 
+    int32_t rc = 0;
+    const auto fast_result = hook->fast ? hook->fast->serve(b->layer, b->n_expert, hook->scratch_ids.data(), n_used,
+                                                           n_tokens, hook->scratch_slots.data(), fast_error(hook))
+                                        : llama_expert_fast_path::DECLINED;
+    if (fast_result == llama_expert_fast_path::FAILED) {
+        hook->set_error(hook->fast_error);
+        hook->failed = true;
+        return;
+    }
     const auto provider_start = std::chrono::steady_clock::now();
-    const int32_t rc = hook->provider(hook->provider_data, b->layer, hook->scratch_ids.data(), n_used, n_tokens,
-                                      hook->scratch_slots.data());
-    hook->stats.provider_calls++;
-    hook->stats.provider_s += seconds_since(provider_start);
+    if (fast_result == llama_expert_fast_path::DECLINED) {
+        rc = hook->provider(hook->provider_data, b->layer, hook->scratch_ids.data(), n_used, n_tokens,
+                            hook->scratch_slots.data());
+        hook->stats.provider_calls++;
+        hook->stats.provider_s += seconds_since(provider_start);
+    }
     if (rc != 0) {
         hook->set_error("layer " + std::to_string(b->layer) + ": expert provider failed (code " + std::to_string(rc) + ")");
         hook->failed = true;
@@ -494,6 +515,7 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
     hook->pool_tensor = std::move(pool_tensor);
     hook->binding_of  = std::move(binding_of);
     hook->bindings    = std::move(bindings);
+    hook->fast.reset(); // it points into the old pool
     hook->generation++;
     hook->failed = false;
     llama_expert_access::need_reserve(*ctx);
@@ -545,6 +567,38 @@ void llama_expert_detach(llama_context * ctx) {
     fresh->model      = hook->model;
     fresh->generation = hook->generation + 1;
     hook = std::move(fresh);
+}
+
+int32_t llama_expert_fast_path_set(llama_context * ctx, const llama_expert_fast_path_desc * desc) {
+    llama_expert_hook * hook = hook_of(ctx);
+    if (desc == nullptr) {
+        hook->fast.reset();
+        return 0;
+    }
+    std::string error;
+    auto fast = llama_expert_fast_path::create(*desc, hook->pool_buf ? (char *) ggml_backend_buffer_get_base(hook->pool_buf.get())
+                                                                     : nullptr, error);
+    if (!fast) {
+        hook->set_error(error);
+        return -1;
+    }
+    hook->fast = std::move(fast);
+    return 0;
+}
+
+int32_t llama_expert_fast_path_set_block(llama_context * ctx, int32_t block, void * addr) {
+    llama_expert_hook * hook = hook_of(ctx);
+    if (!hook->fast || !hook->fast->set_block(block, addr)) {
+        hook->set_error("fast path: no RAM block " + std::to_string(block) + " to move");
+        return -1;
+    }
+    return 0;
+}
+
+int32_t llama_expert_fast_path_stats_get(const llama_context * ctx, llama_expert_fast_path_stats * out) {
+    const llama_expert_hook * hook = ctx->expert_hook.get();
+    *out = hook && hook->fast ? hook->fast->stats() : llama_expert_fast_path_stats{};
+    return 0;
 }
 
 const char * llama_expert_last_error(const llama_context * ctx) {

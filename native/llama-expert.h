@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 4
+#define LLAMA_EXPERT_API_VERSION 5
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -166,6 +166,61 @@ LLAMA_EXPERT_API void    llama_expert_policy_seed(struct llama_expert_policy * p
 // preload: writes the loads' keys ([n][2]) and slots (room for n_keys); returns how many
 LLAMA_EXPERT_API int32_t llama_expert_policy_preload(struct llama_expert_policy * policy, const int32_t * keys,
         int32_t n_keys, int32_t * load_keys, int32_t * load_slots);
+
+// ---- Native hot path ------------------------------------------------------------------------------------
+// With a fast path set, the remap op asks the pool's policy (the same instance the provider acquires from)
+// before calling the provider: a step whose experts are all resident is answered here (the policy's
+// acquire, then slot ids); with a RAM tier, a step whose every pool miss is in a RAM block is served here
+// too: the pool policy's plan (victims included), the tier policy's acquire of the misses (skipped when the
+// tier holds every key: it never evicts), one copy per role from the RAM block to the slot, then a
+// synchronize. Any other step (a read from the SSD, a step larger than the pool) goes to the provider as
+// before, with nothing changed. A failed copy abandons the step's loads (their slots hold no expert) and
+// fails the decode.
+// h2d: NULL for a host pool (memcpy); else cuMemcpyHtoDAsync_v2's signature, with sync cuStreamSynchronize's.
+typedef int32_t (*llama_expert_h2d_fn)(uint64_t dst, const void * src, size_t nbytes, void * stream);
+typedef int32_t (*llama_expert_sync_fn)(void * stream);
+
+// one role of a layer's experts: the slot's bytes start at pool base + pool_offset + slot * slot_stride, the
+// block's at block address + block_offset
+struct llama_expert_copy_span {
+    int32_t  layer;
+    uint64_t pool_offset;
+    uint64_t slot_stride;
+    uint64_t block_offset;
+    uint64_t nbytes;
+};
+
+struct llama_expert_fast_path_desc {
+    struct llama_expert_policy * pool;            // the slot pool's policy
+    struct llama_expert_policy * tier;            // the RAM tier's, NULL: no tier (only all-hit steps here)
+    int32_t                      tier_holds_every_key;
+    int32_t                      n_blocks;
+    void * const *               block_addrs;     // n_blocks host addresses (the tier's RAM blocks)
+    int32_t                      n_spans;
+    const struct llama_expert_copy_span * spans;  // every role of every served layer
+    int32_t                      first_layer;     // a step of this layer counts its tokens
+    llama_expert_h2d_fn          h2d;
+    llama_expert_sync_fn         sync;
+    void *                       stream;
+};
+
+struct llama_expert_fast_path_stats {
+    int64_t  steps;       // steps served without the provider
+    int64_t  tokens;
+    int64_t  cache_hits;
+    int64_t  cache_misses;
+    int64_t  cache_evictions;
+    int64_t  ram_hits;
+    uint64_t h2d_bytes;   // 0 for a host pool
+    double   seconds;     // wall time serving them (copies included)
+    double   copy_s;      // issuing the copies and waiting for them
+};
+
+// desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).
+LLAMA_EXPERT_API int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);
+// a RAM block's memory was replaced (after an abandoned read): copies come from addr from now on
+LLAMA_EXPERT_API int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
+LLAMA_EXPERT_API int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
 
 // ---- Expert read pool (native/llama-expert-io.cpp) ----------------------------------------------------
 // Threads that pread byte ranges of already opened files into caller memory, without Python's GIL. Two

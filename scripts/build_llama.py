@@ -39,7 +39,9 @@ NATIVE_FILES = [("llama-expert.h", "include/llama-expert.h"),
                 ("llama-expert.cpp", "src/llama-expert.cpp"),
                 ("llama-expert-io.cpp", "src/llama-expert-io.cpp"),
                 ("llama-expert-policy.h", "src/llama-expert-policy.h"),
-                ("llama-expert-policy.cpp", "src/llama-expert-policy.cpp")]
+                ("llama-expert-policy.cpp", "src/llama-expert-policy.cpp"),
+                ("llama-expert-fast.h", "src/llama-expert-fast.h"),
+                ("llama-expert-fast.cpp", "src/llama-expert-fast.cpp")]
 # dropped from a trimmed tree: not needed to build libllama/libggml for CPU or CUDA
 TRIM = ["vendor/llama.cpp/models", "vendor/llama.cpp/docs", "vendor/llama.cpp/media", "vendor/llama.cpp/tests",
         "vendor/llama.cpp/examples", "vendor/llama.cpp/gguf-py", "vendor/llama.cpp/benches",

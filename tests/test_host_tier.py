@@ -386,3 +386,35 @@ def test_a_preload_read_failing_its_sha256_refuses_to_start(models, tmp_path):
                     serve_from=str(pack), streaming=dict(verify_pack_sha256=True, ram_cache_mib=1e6, ram_preload=True))
     result = run_self(spec, tmp_path)
     assert result["init_error"].startswith("IntegrityError") and f"layer {layer} expert {expert}" in result["init_error"]
+
+
+# ---------------------------------------------------------------- the native hot path
+@pytest.mark.parametrize("preset,n_ubatch,tier", [("qwen3moe-tiny", 1, None), ("qwen3moe-tiny", 7, "all"),
+                                                  ("mixtral-tiny", 1, "all"), ("qwen3moe-tiny", 1, "half")])
+def test_the_native_hot_path_decides_as_the_python_provider(preset, n_ubatch, tier, models, vanilla, tmp_path):
+    """StreamingSettings.native_hot_path: libllama serves the steps that need no SSD read (all hits, or every
+    miss in RAM) from the same policy objects. Same logits (vanilla's), same counters and the same final
+    residency as the Python provider with its Python policy, while most steps never reach Python."""
+    # no tier: a pool of most experts, so that steps hit everywhere; a tier: a small pool, so that steps miss
+    n_slots = 3 * n_keys(preset) // 4 if tier is None else small_pool(preset, n_ubatch) + 2
+    blocks = {None: 0, "all": n_keys(preset), "half": (n_slots + n_keys(preset)) // 2}[tier]
+    streaming = dict(stage_slots=3, **(dict(ram_cache_mib=tier_mib(models, preset, blocks)) if blocks else {}))
+    runs = {}
+    for hot in (True, False):
+        out = tmp_path / f"{hot}.npy"
+        spec = spec_for(models[preset][0], n_ubatch, out, provider="streaming", n_slots=n_slots,
+                        streaming=dict(streaming, native_hot_path=hot), **source_spec(models, preset, "pack"))
+        runs[hot] = run_self(spec, tmp_path)
+        assert np.array_equal(np.load(out), vanilla(preset, n_ubatch)), f"native_hot_path={hot}"
+    native, python = runs[True], runs[False]
+    for counter in ("acquires", "tokens", "cache_hits", "cache_misses", "cache_evictions", "ram_hits", "ram_misses",
+                    "ram_evictions", "pack_read_bytes", "io_errors"):
+        assert native["stats"][counter] == python["stats"][counter], counter
+    assert native["final_resident"] == python["final_resident"]
+    assert native["final_ram_resident"] == python["final_ram_resident"]
+    steps, in_python = native["stats"]["native_steps"], len(native["trace"])
+    assert python["stats"]["native_steps"] == 0 and len(python["trace"]) == python["stats"]["acquires"]
+    assert steps + in_python == native["stats"]["acquires"] and steps > 0
+    assert native["stats"]["provider_calls"] == in_python  # a native step never called the provider
+    if tier == "all":  # after the first reads every miss is a RAM hit: almost nothing reaches Python
+        assert steps > 3 * in_python and native["stats"]["cache_misses"] > native["stats"]["ram_misses"]

@@ -102,7 +102,8 @@ def provider_worker(spec: dict) -> dict:
             f.write(original.read())
     if spec.get("n_decode") is not None:
         np.save(spec["out"], greedy_logits(llm, prompt, spec["n_decode"]))
-    result.update(stats=provider.stats(), trace=trace)
+    result.update(stats=provider.stats(), trace=trace, final_resident=sorted(provider.policy.resident().items()),
+                  final_ram_resident=sorted(provider.tier.resident().items()) if provider.tier else [])
     provider.close()
     provider.close()  # idempotent
     llm.close()

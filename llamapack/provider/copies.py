@@ -9,6 +9,7 @@ exchanges two buffers' memory (a finished lookahead read becomes a RAM block wit
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import numpy as np
@@ -53,6 +54,10 @@ class HostCopier:
 
     def synchronize(self) -> None:
         pass
+
+    def native_copy_functions(self) -> tuple[None, None, int]:
+        """For libllama's fast path: (no h2d function, no sync function, no stream): it copies with memcpy."""
+        return None, None, 0
 
     def close(self) -> None:
         self.buffers = []
@@ -139,6 +144,20 @@ class CudaCopier:
     def synchronize(self) -> None:
         with self._cupy.cuda.Device(self.device):
             self.stream.synchronize()
+
+    def native_copy_functions(self) -> tuple[int, int, int] | None:
+        """For libllama's fast path: the addresses of the CUDA driver's cuMemcpyHtoDAsync_v2 and
+        cuStreamSynchronize, and this copier's stream (it runs in the thread that calls llama_decode, whose
+        current context is the device's primary one, as CuPy's); None when the driver library cannot be
+        opened (the fast path then serves only all-hit steps)."""
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+            functions = (driver.cuMemcpyHtoDAsync_v2, driver.cuStreamSynchronize)
+        except (OSError, AttributeError) as exc:
+            log.warning("the CUDA driver's copy functions are not available (%s): RAM-tier copies stay in Python",
+                        exc)
+            return None
+        return (*(ctypes.cast(function, ctypes.c_void_p).value for function in functions), self.stream.ptr)
 
     def close(self) -> None:
         """Wait for the copies, then give the pinned memory back to the driver."""

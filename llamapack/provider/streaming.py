@@ -24,6 +24,14 @@ block as a demand read is checked; a failed preload read fails the start-up. Wit
 first seeds the policies with the last session's popularity and fills the tier, then the pool, with the
 hottest experts (``warm_start``; warm), and saves the popularity again at ``close``.
 
+With ``native_hot_path`` (the default, for the ``next-use`` policy without lookahead) the pool's and the tier's
+policies are policy_native.NativeNextUsePolicy objects, which libllama's remap op asks first: a step whose
+experts are all in the pool, or whose every miss is in a RAM block, is served there (the policies' plans, the
+tier's copies on this provider's CUDA stream through the driver API, then a synchronize) without calling
+``acquire``; its counts come back through ``native.fast_path_counts`` (``native_steps``). Only steps that read
+from the SSD (or do not fit the pool) reach Python. The decisions are those of the Python policy
+(tests/test_policy_native.py, tests/test_host_tier.py).
+
 With ``prefetch`` libllama also calls ``prefetch`` (right after a layer's acquire) with a guess at each of
 the next ``prefetch_depth`` layers' experts; their reads start in buffers of their own
 (prefetch.PrefetchBook) at prefetch priority (only while no demand read is queued or running, in small
@@ -45,6 +53,7 @@ import numpy as np
 from .. import native
 from ..errors import PackIOError
 from ..cache_policy import SlotAssignment, policy_class
+from ..policy_native import NativeNextUsePolicy
 from ..telemetry import CounterAccumulator, StatsFlusher
 from .copies import CudaCopier, HostCopier, import_cupy
 from .host_tier import AUTO, HostTier, TierPlan, preload_keys, spare_ram_bytes, tier_blocks
@@ -88,6 +97,7 @@ class StreamingProvider:
         self._step_tokens = 0  # tokens of the step being served (0: a preload or warm start, not a use)
         self.native_reads, self._prefetch_threads = False, 0
         self.warm_file: WarmFile | None = None
+        self._native_hot, self._fast_path_arrays, self._fast_counts = False, None, {}
         try:
             self.tensors = native.expert_tensors(model_ptr)
             check_reader_matches_model(reader.layout, self.tensors)
@@ -100,7 +110,10 @@ class StreamingProvider:
                 len(loaded_layers), n_expert_used, n_ubatch, free_vram(device) if device >= 0 else None,
                 spare_ram_bytes() if device < 0 else None)
             self.layout = SlotLayout.from_tensors(self.tensors, self.n_slots)
-            self.policy = policy_class(settings.cache_policy)(self.n_slots)
+            # the native hot path (settings.native_hot_path) serves steps from the same policy objects in libllama
+            self._native_hot = settings.native_hot_path and settings.cache_policy == "next-use" and not settings.prefetch
+            policy_factory = NativeNextUsePolicy if self._native_hot else policy_class(settings.cache_policy)
+            self.policy = policy_factory(self.n_slots)
             self.flusher = StatsFlusher(self.counters, settings.stats_path, settings.stats_flush_interval)
             self._layers, self._stride = loaded_layers, pack_layout.expert_stride
             self._first_layer = loaded_layers[0]
@@ -115,7 +128,7 @@ class StreamingProvider:
             if spare is not None:
                 log.info("RAM tier (auto): %d expert blocks, %.0f MiB of %.0f MiB spare", n_blocks,
                          n_blocks * self._stride / MIB, spare / MIB)
-            self.tier = HostTier(n_blocks, policy_class(settings.cache_policy),
+            self.tier = HostTier(n_blocks, policy_factory,
                                  n_keys=pack_layout.num_experts * len(loaded_layers)) if n_blocks else None
             n_buffers = n_blocks or settings.stage_slots  # the copier's buffers: RAM blocks, or staging buffers
             n_lookahead = settings.prefetch_slots if settings.prefetch else 0  # ... then the lookahead buffers
@@ -141,6 +154,8 @@ class StreamingProvider:
             self._ctx = ctx_ptr
             self._copier = host or CudaCopier(device, self.pool_base, n_buffers, self._stride)
             native.set_provider(ctx_ptr, self._callback)
+            if self._native_hot:
+                self._start_fast_path()
             if self.book is not None:
                 self._lookahead_callback = ffi.callback(
                     "void(void *, int32_t, const int32_t *, int32_t, int32_t)", self._on_lookahead)
@@ -154,6 +169,32 @@ class StreamingProvider:
         except BaseException:
             self.close()
             raise
+
+    def _start_fast_path(self) -> None:
+        """Let libllama serve the steps that need no SSD read (StreamingSettings.native_hot_path): every step
+        whose experts are all in the pool, and, when its copies can run there, every step whose misses are all
+        in the RAM tier. Its counts join ours (``native_steps``)."""
+        copy_functions = self._copier.native_copy_functions()
+        tier = self.tier if copy_functions is not None else None
+        h2d, sync, stream = copy_functions if copy_functions is not None else (None, None, 0)
+        spans = [(layer, *span) for layer, layer_spans in self._copy_spans.items() for span in layer_spans]
+        self._fast_path_arrays = native.set_fast_path(
+            self._ctx, self.policy, tier.policy if tier is not None else None,
+            tier_holds_every_key=tier is not None and tier.holds_every_key,
+            block_addrs=[self._copier.buffers[block].ctypes.data for block in range(tier.n_blocks)] if tier else [],
+            copy_spans=spans if tier else [], first_layer=self._first_layer, h2d=h2d, sync=sync, stream=stream)
+        self.counters.external = self._fast_path_counts
+
+    def _fast_path_counts(self) -> dict:
+        if self._ctx is not None:  # after close: the last counts read
+            self._fast_counts = native.fast_path_counts(self._ctx)
+        return self._fast_counts
+
+    def _replace_buffer(self, buffer: int) -> None:
+        """Fresh memory for a buffer a hung read may still write (and, for a RAM block, for the fast path)."""
+        self._copier.replace_buffer(buffer)
+        if self._fast_path_arrays is not None and self.tier is not None and buffer < self.tier.n_blocks:
+            native.set_fast_path_block(self._ctx, buffer, self._copier.buffers[buffer].ctypes.data)
 
     def preload_ram_tier(self, progress: bool | None = None) -> int:
         """Fill the RAM tier's free blocks from the SSD (``host_tier.preload_keys``), ``stage_slots`` reads at
@@ -437,7 +478,7 @@ class StreamingProvider:
         for buffer, (_, pieces) in in_flight.items():
             for piece in pieces:
                 piece.cancel()  # a piece still queued never starts
-            self._copier.replace_buffer(buffer)
+            self._replace_buffer(buffer)
             self.counters.record_io_error()
         layer, expert = keys[0]
         return PackIOError(f"{', '.join(self._source.paths)}: reading layer {layer} expert {expert} did not finish "
@@ -500,6 +541,7 @@ class StreamingProvider:
             # the pool's policy saw every step
             self.warm_file.save(self.policy.popularity())
         if self._ctx is not None:
+            self._fast_path_counts()  # kept for the stats after detach
             native.detach(self._ctx)
             self._ctx = None
         for part in (self._reads, self._copier, self._reader):

@@ -1,0 +1,201 @@
+// llamapack: the hook's native hot path (contract: llama_expert_fast_path_desc in llama-expert.h).
+//
+// Copied into the vendored llama.cpp as src/llama-expert-fast.cpp. It decides nothing itself: the pool's
+// and the tier's policies (llama-expert-policy.cpp, the same instances the Python provider uses) decide; it
+// only spares the step a trip through the provider when no SSD read is needed.
+#include "llama-expert-fast.h"
+
+#include <chrono>
+#include <cstring>
+
+static double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+}
+
+std::unique_ptr<llama_expert_fast_path> llama_expert_fast_path::create(
+        const llama_expert_fast_path_desc & desc, char * pool_base, std::string & error) {
+    if (desc.pool == nullptr || pool_base == nullptr) {
+        error = "fast path: needs the pool's policy and an attached pool";
+        return nullptr;
+    }
+    if (desc.tier != nullptr && (desc.n_blocks < 1 || desc.block_addrs == nullptr || desc.n_spans < 1 ||
+                                 desc.spans == nullptr)) {
+        error = "fast path: a RAM tier needs its block addresses and the copy spans";
+        return nullptr;
+    }
+    if ((desc.h2d == nullptr) != (desc.sync == nullptr)) {
+        error = "fast path: a device pool needs both the copy and the synchronize functions";
+        return nullptr;
+    }
+    std::unique_ptr<llama_expert_fast_path> fast(new llama_expert_fast_path());
+    fast->pool                 = desc.pool;
+    fast->tier                 = desc.tier;
+    fast->tier_holds_every_key = desc.tier_holds_every_key != 0;
+    fast->first_layer          = desc.first_layer;
+    fast->pool_base            = pool_base;
+    fast->h2d                  = desc.h2d;
+    fast->sync                 = desc.sync;
+    fast->stream               = desc.stream;
+    if (desc.tier != nullptr) {
+        for (int32_t i = 0; i < desc.n_blocks; ++i) {
+            if (desc.block_addrs[i] == nullptr) {
+                error = "fast path: RAM block " + std::to_string(i) + " has no address";
+                return nullptr;
+            }
+            fast->blocks.push_back((char *) desc.block_addrs[i]);
+        }
+        for (int32_t i = 0; i < desc.n_spans; ++i) {
+            fast->spans_of_layer[desc.spans[i].layer].push_back(desc.spans[i]);
+        }
+    }
+    return fast;
+}
+
+bool llama_expert_fast_path::set_block(int32_t block, void * addr) {
+    if (block < 0 || block >= (int32_t) blocks.size() || addr == nullptr) {
+        return false;
+    }
+    blocks[block] = (char *) addr;
+    return true;
+}
+
+llama_expert_fast_path::result llama_expert_fast_path::serve(
+        int32_t layer, int32_t n_expert, const int32_t * ids, int32_t n_used, int32_t n_tokens, int32_t * slots,
+        std::string & error) {
+    const auto started = std::chrono::steady_clock::now();
+    const int32_t n_ids = n_used * n_tokens;
+
+    // the step's distinct keys in first-seen order (the policy's order too)
+    if ((int32_t) position.size() < n_expert) {
+        position.assign(n_expert, -1);
+    }
+    keys.clear();
+    for (int32_t i = 0; i < n_ids; ++i) {
+        if (position[ids[i]] < 0) {
+            position[ids[i]] = (int32_t) keys.size() / 2;
+            keys.push_back(layer);
+            keys.push_back(ids[i]);
+        }
+    }
+    const int32_t n_keys = (int32_t) keys.size() / 2;
+    auto forget_positions = [&]() {
+        for (int32_t k = 0; k < n_keys; ++k) {
+            position[keys[2*k + 1]] = -1;
+        }
+    };
+
+    // decline (nothing changed) unless every key is in the pool, or in the tier with copies possible here
+    int32_t n_missing = 0;
+    for (int32_t k = 0; k < n_keys; ++k) {
+        if (llama_expert_policy_slot_of(pool, layer, keys[2*k + 1]) >= 0) {
+            continue;
+        }
+        n_missing++;
+        if (tier == nullptr || spans_of_layer.count(layer) == 0 ||
+                llama_expert_policy_slot_of(tier, layer, keys[2*k + 1]) < 0) {
+            forget_positions();
+            return DECLINED;
+        }
+    }
+
+    out_keys.resize(2 * n_keys); out_slots.resize(n_keys); hits.resize(n_keys);
+    evicted_keys.resize(2 * n_keys); evicted_slots.resize(n_keys);
+    int32_t n_evicted = 0;
+    const int32_t n_tokens_policy = n_tokens > 0 ? n_tokens : 1;
+    if (llama_expert_policy_acquire(pool, keys.data(), n_keys, n_tokens_policy, out_keys.data(), out_slots.data(),
+                                    hits.data(), evicted_keys.data(), evicted_slots.data(), &n_evicted) != n_keys) {
+        forget_positions();
+        return DECLINED; // more keys than slots: the provider raises the capacity error
+    }
+
+    load_keys.clear(); load_slots.clear();
+    for (int32_t k = 0; k < n_keys; ++k) {
+        if (!hits[k]) {
+            load_keys.push_back(out_keys[2*k]);
+            load_keys.push_back(out_keys[2*k + 1]);
+            load_slots.push_back(out_slots[k]);
+        }
+    }
+    const int32_t n_loads = (int32_t) load_slots.size();
+    if (n_loads != n_missing) {
+        error = "layer " + std::to_string(layer) + ": the pool's policy planned " + std::to_string(n_loads) +
+                " loads for " + std::to_string(n_missing) + " experts it did not hold";
+        for (int32_t i = 0; i < n_loads; ++i) {
+            llama_expert_policy_abandon(pool, load_keys[2*i], load_keys[2*i + 1]);
+        }
+        forget_positions();
+        return FAILED;
+    }
+    if (n_loads > 0 && copy_loads(layer, n_tokens_policy, error) != SERVED) {
+        forget_positions();
+        return FAILED;
+    }
+
+    for (int32_t i = 0; i < n_ids; ++i) {
+        slots[i] = out_slots[position[ids[i]]];
+    }
+    forget_positions();
+    counts.steps++;
+    counts.tokens          += layer == first_layer ? n_tokens : 0;
+    counts.cache_hits      += n_keys - n_loads;
+    counts.cache_misses    += n_loads;
+    counts.cache_evictions += n_evicted;
+    counts.ram_hits        += n_loads;
+    counts.seconds         += seconds_between(started, std::chrono::steady_clock::now());
+    return SERVED;
+}
+
+// every load is a RAM hit (checked by serve): the tier's acquire, then the copies block -> slot
+llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer, int32_t n_tokens, std::string & error) {
+    const int32_t n_loads = (int32_t) load_slots.size();
+    auto fail = [&](const std::string & why) {
+        for (int32_t i = 0; i < n_loads; ++i) {
+            llama_expert_policy_abandon(pool, load_keys[2*i], load_keys[2*i + 1]); // its slot holds no expert
+        }
+        error = "layer " + std::to_string(layer) + ": " + why;
+        return FAILED;
+    };
+    load_blocks.resize(n_loads);
+    if (tier_holds_every_key) {
+        for (int32_t i = 0; i < n_loads; ++i) {
+            load_blocks[i] = llama_expert_policy_slot_of(tier, load_keys[2*i], load_keys[2*i + 1]);
+        }
+    } else {
+        out_keys.resize(2 * n_loads); hits.resize(n_loads); evicted_keys.resize(2 * n_loads); evicted_slots.resize(n_loads);
+        int32_t n_evicted = 0;
+        if (llama_expert_policy_acquire(tier, load_keys.data(), n_loads, n_tokens, out_keys.data(), load_blocks.data(),
+                                        hits.data(), evicted_keys.data(), evicted_slots.data(), &n_evicted) != n_loads ||
+                n_evicted != 0) {
+            return fail("the RAM tier's policy did not keep the experts it held");
+        }
+    }
+    const auto & spans = spans_of_layer.at(layer);
+    const auto started = std::chrono::steady_clock::now();
+    for (int32_t i = 0; i < n_loads; ++i) {
+        const int32_t block = load_blocks[i];
+        if (block < 0 || block >= (int32_t) blocks.size()) {
+            return fail("expert " + std::to_string(load_keys[2*i + 1]) + " has RAM block " + std::to_string(block) +
+                        " outside the tier");
+        }
+        for (const auto & span : spans) {
+            char * dst = pool_base + span.pool_offset + (uint64_t) load_slots[i] * span.slot_stride;
+            const char * src = blocks[block] + span.block_offset;
+            if (h2d == nullptr) {
+                memcpy(dst, src, span.nbytes);
+            } else if (const int32_t rc = h2d((uint64_t) (uintptr_t) dst, src, span.nbytes, stream); rc != 0) {
+                sync(stream);
+                return fail("copying expert " + std::to_string(load_keys[2*i + 1]) + " from RAM to the GPU failed (CUDA error " +
+                            std::to_string(rc) + ")");
+            } else {
+                counts.h2d_bytes += span.nbytes;
+            }
+        }
+    }
+    if (sync != nullptr) {
+        if (const int32_t rc = sync(stream); rc != 0) {
+            return fail("waiting for the copies from RAM to the GPU failed (CUDA error " + std::to_string(rc) + ")");
+        }
+    }
+    counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
+    return SERVED;
+}
