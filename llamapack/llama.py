@@ -76,7 +76,8 @@ class Llama(llama_cpp.Llama):
                  prefetch_depth: int = DEFAULTS.prefetch_depth, prefetch_in_flight: int | None = DEFAULTS.prefetch_in_flight,
                  native_reads: bool | None = DEFAULTS.native_reads, warm_start: bool | None = None,
                  warm_start_dir: str | os.PathLike | None = DEFAULTS.warm_start_dir,
-                 cache_policy: str = DEFAULTS.cache_policy, **kwargs):
+                 cache_policy: str = DEFAULTS.cache_policy, native_hot_path: bool = DEFAULTS.native_hot_path,
+                 **kwargs):
         self._provider = None
         self.pack_settings = resolve_settings(
             model_path, pack, gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib, direct_io=direct_io,
@@ -87,7 +88,8 @@ class Llama(llama_cpp.Llama):
             prefetch_slots=prefetch_slots, prefetch_top=prefetch_top, prefetch_depth=prefetch_depth,
             prefetch_in_flight=prefetch_in_flight, native_reads=native_reads,
             warm_start=default_warm_start() if warm_start is None else warm_start,
-            warm_start_dir=None if warm_start_dir is None else os.fspath(warm_start_dir), cache_policy=cache_policy)
+            warm_start_dir=None if warm_start_dir is None else os.fspath(warm_start_dir), cache_policy=cache_policy,
+            native_hot_path=native_hot_path)
         if self.pack_settings is None or kwargs.get("vocab_only"):
             super().__init__(model_path, *args, **kwargs)  # vocab_only: no weights, no experts to serve
             return

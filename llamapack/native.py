@@ -202,6 +202,27 @@ def fast_path_counts(ctx) -> dict:
                 h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s)
 
 
+def set_bench_replay(ctx, prompt_rows, decode_rows, n_prompt: int) -> None:
+    """Benchmarks only (``llama_expert_bench_replay_set``): from now on the remap op computes the trace's experts
+    (rows: int arrays [n, n_layers, top_k]) in place of the router's, token t of the new request taking its
+    row as bench.replay.RoutingReplay says. Outputs are not the model's."""
+    import numpy as np
+
+    prompt = np.ascontiguousarray(prompt_rows, dtype=np.int32)
+    decode = np.ascontiguousarray(decode_rows, dtype=np.int32)
+    if prompt.ndim != 3 or decode.shape[1:] != prompt.shape[1:]:
+        raise NativeError(f"replay rows must be [n, n_layers, top_k] (got {prompt.shape} and {decode.shape})")
+    rc = lib().llama_expert_bench_replay_set(
+        ctx, ffi.cast("const int32_t *", prompt.ctypes.data), len(prompt),
+        ffi.cast("const int32_t *", decode.ctypes.data), len(decode), n_prompt, prompt.shape[1], prompt.shape[2])
+    if rc != 0:
+        raise NativeError(last_error(ctx))
+
+
+def bench_replay_substituted(ctx) -> int:
+    return int(lib().llama_expert_bench_replay_substituted(ctx))
+
+
 def detach(ctx) -> None:
     lib().llama_expert_detach(ctx)
 

@@ -115,6 +115,10 @@ int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llam
 int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
 
+int32_t llama_expert_bench_replay_set(struct llama_context * ctx, const int32_t * prompt_rows, int32_t n_prompt_rows,
+        const int32_t * decode_rows, int32_t n_decode_rows, int32_t n_prompt, int32_t n_layers, int32_t top_k);
+int64_t llama_expert_bench_replay_substituted(const struct llama_context * ctx);
+
 struct llama_expert_read_pool;
 struct llama_expert_read_status {
     int32_t  state;

@@ -13,7 +13,9 @@
 #include "ggml-cpp.h"
 #include "ggml.h"
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +55,22 @@ struct llama_expert_layer_binding {
     int32_t n_expert;
     // lookahead: the routers of the next served layers, nearest first (up to LLAMA_EXPERT_MAX_LOOKAHEAD)
     std::vector<llama_expert_lookahead_target> ahead;
+    int32_t position = 0; // among the served layers, ascending (a replayed trace's layer index)
+};
+
+// llama_expert_bench_replay_set's trace rows for the current request (benchmarks only)
+struct llama_expert_bench_replay {
+    std::vector<int32_t> prompt_rows, decode_rows; // [n][n_layers][top_k]
+    int32_t n_prompt = 0, n_layers = 0, top_k = 0, first_layer = 0;
+    int64_t cursor = 0;      // tokens of the request computed, the current ubatch's included
+    int64_t substituted = 0;
+
+    const int32_t * row(int64_t token) const {
+        const size_t width = (size_t) n_layers * top_k;
+        const size_t n_p = prompt_rows.size() / width, n_d = decode_rows.size() / width;
+        return token < n_prompt ? prompt_rows.data() + (size_t) (token % n_p) * width
+                                : decode_rows.data() + (size_t) ((token - n_prompt) % n_d) * width;
+    }
 };
 
 struct llama_expert_hook {
@@ -88,6 +106,7 @@ struct llama_expert_hook {
 
     // native hot path (optional): steps needing no SSD read are served without the provider
     std::unique_ptr<llama_expert_fast_path> fast;
+    std::unique_ptr<llama_expert_bench_replay> replay;
 
     std::vector<int32_t> scratch_ids;
     std::vector<int32_t> scratch_slots;
@@ -214,6 +233,37 @@ static std::string & fast_error(llama_expert_hook * hook) {
     return hook->fast_error;
 }
 
+// benchmarks only: the replayed trace's ids in place of the router's (llama_expert_bench_replay_set)
+static bool replay_ids(llama_expert_hook * hook, const llama_expert_layer_binding * b, int32_t n_used, int32_t n_tokens) {
+    auto & replay = *hook->replay;
+    if (replay.top_k != n_used) {
+        hook->set_error("routing replay: the trace has top-" + std::to_string(replay.top_k) + ", the model uses " +
+                        std::to_string(n_used) + " experts");
+        return false;
+    }
+    if (b->layer == replay.first_layer) {
+        replay.cursor += n_tokens;
+    }
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        const int64_t token = replay.cursor - n_tokens + t;
+        if (token < 0) {
+            hook->set_error("routing replay: layer " + std::to_string(b->layer) + " ran before the first served layer");
+            return false;
+        }
+        const int32_t * row = replay.row(token) + (size_t) b->position * replay.top_k;
+        for (int32_t k = 0; k < n_used; ++k) {
+            if (row[k] < 0 || row[k] >= b->n_expert) {
+                hook->set_error("routing replay: layer " + std::to_string(b->layer) + ": expert id " +
+                                std::to_string(row[k]) + " outside [0, " + std::to_string(b->n_expert) + ")");
+                return false;
+            }
+            hook->scratch_ids[(size_t) t*n_used + k] = row[k];
+        }
+    }
+    replay.substituted += (int64_t) n_used * n_tokens;
+    return true;
+}
+
 // CPU custom op: selected expert ids -> provider -> slot ids. Runs on one thread (n_tasks = 1).
 static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
@@ -247,6 +297,11 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
             }
             hook->scratch_ids[(size_t) t*n_used + k] = id;
         }
+    }
+
+    if (hook->replay && !replay_ids(hook, b, n_used, n_tokens)) {
+        hook->failed = true;
+        return;
     }
 
     int32_t rc = 0;
@@ -500,6 +555,17 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         binding_of[info->weights[i]] = b;
     }
 
+    {
+        std::vector<int32_t> served;
+        for (auto & [layer, b] : binding_by_layer) {
+            served.push_back(layer);
+        }
+        std::sort(served.begin(), served.end());
+        for (size_t i = 0; i < served.size(); ++i) {
+            binding_by_layer[served[i]]->position = (int32_t) i;
+        }
+    }
+
     // each served layer's lookahead targets: the following layers, while they are served and have a router
     for (auto & [layer, b] : binding_by_layer) {
         for (int32_t next = layer + 1; next - layer <= LLAMA_EXPERT_MAX_LOOKAHEAD &&
@@ -516,6 +582,7 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
     hook->binding_of  = std::move(binding_of);
     hook->bindings    = std::move(bindings);
     hook->fast.reset(); // it points into the old pool
+    hook->replay.reset();
     hook->generation++;
     hook->failed = false;
     llama_expert_access::need_reserve(*ctx);
@@ -599,6 +666,41 @@ int32_t llama_expert_fast_path_stats_get(const llama_context * ctx, llama_expert
     const llama_expert_hook * hook = ctx->expert_hook.get();
     *out = hook && hook->fast ? hook->fast->stats() : llama_expert_fast_path_stats{};
     return 0;
+}
+
+int32_t llama_expert_bench_replay_set(llama_context * ctx, const int32_t * prompt_rows, int32_t n_prompt_rows,
+        const int32_t * decode_rows, int32_t n_decode_rows, int32_t n_prompt, int32_t n_layers, int32_t top_k) {
+    llama_expert_hook * hook = hook_of(ctx);
+    if (prompt_rows == nullptr) {
+        hook->replay.reset();
+        return 0;
+    }
+    if (hook->bindings.empty() || n_layers != (int32_t) hook->bindings.size() || top_k < 1 || n_prompt < 0 ||
+            n_prompt_rows < 1 || n_decode_rows < 1 || decode_rows == nullptr) {
+        hook->set_error("routing replay: needs a pool, rows of every served layer (" + std::to_string(hook->bindings.size()) +
+                        ", got " + std::to_string(n_layers) + ") and at least one prompt and one decode row");
+        return -1;
+    }
+    const int64_t replaced = hook->replay ? hook->replay->substituted : 0;
+    auto replay = std::make_unique<llama_expert_bench_replay>();
+    const size_t width = (size_t) n_layers * top_k;
+    replay->prompt_rows.assign(prompt_rows, prompt_rows + width * n_prompt_rows);
+    replay->decode_rows.assign(decode_rows, decode_rows + width * n_decode_rows);
+    replay->n_prompt = n_prompt;
+    replay->n_layers = n_layers;
+    replay->top_k    = top_k;
+    replay->first_layer = INT32_MAX;
+    for (const auto & b : hook->bindings) {
+        replay->first_layer = std::min(replay->first_layer, b->layer);
+    }
+    replay->substituted = replaced;
+    hook->replay = std::move(replay);
+    return 0;
+}
+
+int64_t llama_expert_bench_replay_substituted(const llama_context * ctx) {
+    const llama_expert_hook * hook = ctx->expert_hook.get();
+    return hook && hook->replay ? hook->replay->substituted : 0;
 }
 
 const char * llama_expert_last_error(const llama_context * ctx) {

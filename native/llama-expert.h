@@ -222,6 +222,21 @@ LLAMA_EXPERT_API int32_t llama_expert_fast_path_set(struct llama_context * ctx, 
 LLAMA_EXPERT_API int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 LLAMA_EXPERT_API int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
 
+// ---- Routing replay (benchmarks only) -------------------------------------------------------------------
+// While set, the remap op replaces the router's ids by a recorded trace's before anything sees them (fast path
+// and provider alike), so a synthetic model computes the experts a trained router chose. The outputs are NOT
+// the model's: `llamapack bench --routing` uses it, nothing else. Rows are [n][n_layers][top_k] (n_layers:
+// the served layers, ascending; top_k must be n_expert_used). Token t of the request takes prompt row
+// t mod n_prompt_rows while t < n_prompt, then decode row (t - n_prompt) mod n_decode_rows. The first served
+// layer of each ubatch moves the token cursor past the ubatch; a layer given fewer tokens (llama.cpp's last
+// layer keeps only the tokens it outputs) gets the ubatch's last ones. Setting it starts a request (cursor 0);
+// prompt_rows NULL: off.
+LLAMA_EXPERT_API int32_t llama_expert_bench_replay_set(struct llama_context * ctx, const int32_t * prompt_rows,
+        int32_t n_prompt_rows, const int32_t * decode_rows, int32_t n_decode_rows, int32_t n_prompt,
+        int32_t n_layers, int32_t top_k);
+// ids substituted since the pool was attached
+LLAMA_EXPERT_API int64_t llama_expert_bench_replay_substituted(const struct llama_context * ctx);
+
 // ---- Expert read pool (native/llama-expert-io.cpp) ----------------------------------------------------
 // Threads that pread byte ranges of already opened files into caller memory, without Python's GIL. Two
 // queues: demand reads always start before queued prefetch reads; a prefetch read starts only while no

@@ -2,11 +2,13 @@
 place of the router's choice, so the cache, the SSD reads, the copies and the GPU compute see how a trained
 model routes, on a synthetic model of the trace's shape.
 
-The substitution happens in the benchmark worker's process alone, by wrapping one provider instance's
-``acquire``: per MoE layer and ubatch, row t of the router's ids (token t of the ubatch) is replaced by the
-trace's top-k of the matching token for that layer. The rest of the graph is untouched: the router's gate
+The substitution happens in the benchmark worker's process alone, in libllama's remap op
+(``llama_expert_bench_replay_set``, given the request's rows at each ``start_request``), before the native hot
+path or the provider sees the ids: per MoE layer and ubatch, row t of the router's ids (token t of the ubatch) is
+replaced by the trace's top-k of the matching token for that layer. ``RoutingReplay.experts_for`` is the same
+rule in Python (its reference, used by the tests). The rest of the graph is untouched: the router's gate
 weights still scale the outputs, now of other experts, so logits are not the model's (runs are labelled
-"replayed routing" and have no bit-exact column). Nothing in the library can substitute experts.
+"replayed routing" and have no bit-exact column). Only the benchmark calls that API.
 
 Token mapping: bench request r replays trace request ``r mod n_requests``; its first ``n_prompt`` tokens
 take that request's prefill rows, the rest its decode rows, each cycled when the bench needs more of them
@@ -118,12 +120,14 @@ def install(provider, trace: RoutingTrace) -> RoutingReplay:
     layers = list(provider._layers)
     check_trace_fits(trace, len(layers), provider._reader.layout.num_experts, provider.n_expert_used,
                      "this model")
+    from .. import native
+
     replay = RoutingReplay(trace, layers)
-    acquire = provider.acquire
-    n_used = provider.n_expert_used
+    start_request = replay.start_request
 
-    def replayed_acquire(layer: int, expert_ids: np.ndarray) -> np.ndarray:
-        return acquire(layer, replay.experts_for(layer, len(expert_ids) // n_used))
+    def start_native_request(index: int, n_prompt: int) -> None:
+        start_request(index, n_prompt)
+        native.set_bench_replay(provider._ctx, replay._prompt_rows, replay._decode_rows, n_prompt)
 
-    provider.acquire = replayed_acquire  # this instance only: _provide calls self.acquire
+    replay.start_request = start_native_request  # this instance only
     return replay
