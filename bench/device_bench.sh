@@ -143,6 +143,8 @@ replay)  # #22: build (patched + vanilla CUDA, then upstream llama.cpp b11549 fr
         > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
     build_cuda
     [ -n "${SKIP_BITEXACT:-}" ] || bitexact cuda_bitexact_policy.json --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny
+    # #24: the native hot path's RAM-tier copies (cuMemcpyHtoDAsync on the provider's stream)
+    [ -n "${SKIP_BITEXACT:-}" ] || bitexact cuda_bitexact_hotpath_ramtier.json --archs qwen3moe-tiny gpt-oss-tiny mixtral-tiny --ram-cache-mib 24
     wait; tail -2 "$out/granite.log"; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
     ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
