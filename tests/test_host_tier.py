@@ -285,7 +285,8 @@ def test_counters_match_a_replayed_trace_with_a_ram_tier(source, tier, models, t
     blocks = n_keys(preset) if tier == "all" else tier
     ram_cache_mib = 1e6 if tier == "all" else tier_mib(models, preset, blocks)
     spec = spec_for(models[preset][0], 7, tmp_path / "c.npy", provider="streaming", n_slots=16, n_decode=0,
-                    eval_first=True, streaming=dict(stage_slots=4, read_splits=3, ram_cache_mib=ram_cache_mib),
+                    eval_first=True, streaming=dict(stage_slots=4, read_splits=3, ram_cache_mib=ram_cache_mib,
+                                                    native_hot_path=False),  # every step in the (Python) trace
                     **source_spec(models, preset, source))
     result = run_self(spec, tmp_path)
     assert result["decode_error"] is None

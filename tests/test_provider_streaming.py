@@ -222,7 +222,10 @@ def traced_runs(models, tmp_path_factory):
     for source in ("pack", "gguf"):
         out = folder / f"{source}.npy"
         result = run_self(spec_for(models["qwen3moe-tiny"][0], 7, out, n_slots=16, provider="streaming",
-                                   streaming=dict(stage_slots=4, read_splits=3, native_reads=source == "pack"),
+                                   # the trace is of the Python acquires: keep every step there (the native
+                                   # hot path's decisions: test_host_tier's test_the_native_hot_path_...)
+                                   streaming=dict(stage_slots=4, read_splits=3, native_reads=source == "pack",
+                                                  native_hot_path=False),
                                    native_reads=source == "pack",
                                    **source_spec(models, "qwen3moe-tiny", source)), folder)
         runs[source] = result, np.load(out)

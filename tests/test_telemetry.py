@@ -107,7 +107,7 @@ def test_json_has_every_counter_and_the_derived_numbers():
                          "h2d_bytes", "fallback_count", "io_errors", "read_wait_s", "copy_wait_s", "provide_s",
                          "ram_hits", "ram_misses", "ram_evictions", "lookahead_s", "lookahead_keys", "lookahead_hits",
                          "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes",
-                         "prefetch_cancelled", "ram_preloaded", "ram_preload_bytes",
+                         "prefetch_cancelled", "ram_preloaded", "ram_preload_bytes", "native_steps",
                          "hit_rate", "read_bytes_per_token", "h2d_bytes_per_token", "lookahead_accuracy"}
 
 
@@ -229,3 +229,18 @@ def test_counters_follow_a_policy_driven_provider_loop(tmp_path):
     data = json.loads((tmp_path / "stats.json").read_text())
     assert (data["acquires"], data["cache_hits"], data["cache_misses"], data["cache_evictions"]) == (3, 1, 4, 2)
     assert data["pack_read_bytes"] == 4 * expert_bytes and data["read_bytes_per_token"] == 4 * expert_bytes / 3
+
+
+def test_external_counts_join_every_snapshot_and_reset_from_where_they_were():
+    """The native hot path's counts (kept in libllama) are added to the provider's own in each snapshot."""
+    native = {"acquires": 10, "native_steps": 10, "cache_hits": 70, "provide_s": 0.5}
+    counters = CounterAccumulator(external=lambda: dict(native))
+    counters.record_acquire(hits=3, misses=5, evictions=1, tokens=1)
+    snap = counters.snapshot()
+    assert (snap.acquires, snap.native_steps, snap.cache_hits, snap.cache_misses) == (11, 10, 73, 5)
+    assert snap.provide_s == 0.5
+    assert counters.reset().acquires == 11
+    assert counters.snapshot().acquires == 0  # external totals taken as the new zero
+    native.update(acquires=14, native_steps=14, cache_hits=100)
+    snap = counters.snapshot()
+    assert (snap.acquires, snap.native_steps, snap.cache_hits) == (4, 4, 30)
