@@ -12,9 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from . import native
-from .errors import CapacityError
-from .policy_next_use import DEFAULT_HALF_LIFE, DEFAULT_HORIZON, DEFAULT_RATE_HALF_LIFE
-from .policy_plan import AcquirePlan, Eviction, Key, SlotAssignment
+from .policy_next_use import DEFAULT_HALF_LIFE, DEFAULT_HORIZON, DEFAULT_RATE_HALF_LIFE, check_parameters
+from .policy_plan import AcquirePlan, Eviction, Key, SlotAssignment, check_step_fits
 
 _new_tuple = tuple.__new__  # SlotAssignment(...) without the namedtuple's Python-level __new__ (hot path)
 _flatten = itertools.chain.from_iterable
@@ -30,11 +29,7 @@ class NativeNextUsePolicy:
 
     def __init__(self, n_slots: int, half_life: float = DEFAULT_HALF_LIFE, horizon: int = DEFAULT_HORIZON,
                  rate_half_life: float = DEFAULT_RATE_HALF_LIFE, lib=None):
-        if n_slots < 1:
-            raise CapacityError(f"a slot pool needs at least one slot (asked for {n_slots})")
-        if not (half_life > 0 and rate_half_life > 0 and horizon >= 1):
-            raise ValueError(f"half_life and rate_half_life must be > 0 and horizon >= 1 (got {half_life}, "
-                             f"{rate_half_life}, {horizon})")
+        check_parameters(n_slots, half_life, horizon, rate_half_life)
         self.n_slots, self.half_life, self.horizon = n_slots, half_life, horizon
         self._lib = lib = lib if lib is not None else native.lib()
         pointer = lib.llama_expert_policy_new(n_slots, half_life, horizon, rate_half_life)
@@ -79,8 +74,7 @@ class NativeNextUsePolicy:
                           self._out_hits, self._evicted_keys, self._evicted_slots, self._n_evicted)
         if n < 0:
             if n == -1:
-                raise CapacityError(f"one step needs {len(dict.fromkeys(keys))} distinct experts resident at once "
-                                    f"but the pool has {self.n_slots} slots")
+                check_step_fits(len(dict.fromkeys(keys)), self.n_slots)  # raises CapacityError
             raise ValueError(f"expert keys must be non-negative (layer, expert) pairs: {keys}")
         unpack = native.ffi.unpack
         wanted = keys if n == len(keys) else self._keys_out(self._out_keys, n)  # no repeats: the keys themselves

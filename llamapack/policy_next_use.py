@@ -78,6 +78,15 @@ class _Layer:
             self.classes[horizon + 1] += extra
 
 
+def check_parameters(n_slots: int, half_life: float, horizon: int, rate_half_life: float) -> None:
+    """CapacityError for a pool without a slot, ValueError for an estimate parameter out of range."""
+    if n_slots < 1:
+        raise CapacityError(f"a slot pool needs at least one slot (asked for {n_slots})")
+    if not (half_life > 0 and rate_half_life > 0 and horizon >= 1):
+        raise ValueError(f"half_life and rate_half_life must be > 0 and horizon >= 1 (got {half_life}, "
+                         f"{rate_half_life}, {horizon})")
+
+
 class NextUsePolicy:
     """Evict the key with the farthest estimated next use (the estimate is in the module docstring).
 
@@ -89,11 +98,7 @@ class NextUsePolicy:
 
     def __init__(self, n_slots: int, half_life: float = DEFAULT_HALF_LIFE, horizon: int = DEFAULT_HORIZON,
                  rate_half_life: float = DEFAULT_RATE_HALF_LIFE):
-        if n_slots < 1:
-            raise CapacityError(f"a slot pool needs at least one slot (asked for {n_slots})")
-        if not (half_life > 0 and rate_half_life > 0 and horizon >= 1):
-            raise ValueError(f"half_life and rate_half_life must be > 0 and horizon >= 1 (got {half_life}, "
-                             f"{rate_half_life}, {horizon})")
+        check_parameters(n_slots, half_life, horizon, rate_half_life)
         self.n_slots, self.half_life, self.horizon = n_slots, half_life, horizon
         self._decay = 2.0 ** (-1.0 / half_life)
         self._rate_decay = 2.0 ** (-1.0 / rate_half_life)

@@ -747,6 +747,12 @@ LLAMA_EXPERT_API void llama_expert_policy_free(llama_expert_policy * policy) {
     delete policy;
 }
 
+// key i of an output array of keys [n][2]
+static void put_key(int32_t * out, int32_t i, llama_expert_key key) {
+    out[2*i]     = key.layer;
+    out[2*i + 1] = key.expert;
+}
+
 // -1: more distinct keys than slots; -2: a negative id (nothing changed either way)
 LLAMA_EXPERT_API int32_t llama_expert_policy_acquire(llama_expert_policy * policy, const int32_t * keys,
         int32_t n_keys, int32_t n_tokens, int32_t * out_keys, int32_t * out_slots, uint8_t * out_hits,
@@ -762,16 +768,14 @@ LLAMA_EXPERT_API int32_t llama_expert_policy_acquire(llama_expert_policy * polic
     const int32_t n_out = (int32_t) policy->assignments.size();
     for (int32_t i = 0; i < n_out; ++i) {
         const llama_expert_assignment & assignment = policy->assignments[i];
-        out_keys[2*i]     = assignment.key.layer;
-        out_keys[2*i + 1] = assignment.key.expert;
+        put_key(out_keys, i, assignment.key);
         out_slots[i]      = assignment.slot;
         out_hits[i]       = assignment.hit ? 1 : 0;
     }
     const int32_t n_victims = (int32_t) policy->evictions.size();
     for (int32_t i = 0; i < n_victims; ++i) {
-        evicted_keys[2*i]     = policy->evictions[i].key.layer;
-        evicted_keys[2*i + 1] = policy->evictions[i].key.expert;
-        evicted_slots[i]      = policy->evictions[i].slot;
+        put_key(evicted_keys, i, policy->evictions[i].key);
+        evicted_slots[i] = policy->evictions[i].slot;
     }
     *n_evicted = n_victims;
     return n_out;
@@ -858,9 +862,8 @@ LLAMA_EXPERT_API int32_t llama_expert_policy_preload(llama_expert_policy * polic
     policy->policy.preload(policy->read_keys(keys, n_keys), n_keys, policy->assignments);
     const int32_t n_loads = (int32_t) policy->assignments.size();
     for (int32_t i = 0; i < n_loads; ++i) {
-        load_keys[2*i]     = policy->assignments[i].key.layer;
-        load_keys[2*i + 1] = policy->assignments[i].key.expert;
-        load_slots[i]      = policy->assignments[i].slot;
+        put_key(load_keys, i, policy->assignments[i].key);
+        load_slots[i] = policy->assignments[i].slot;
     }
     return n_loads;
 }
