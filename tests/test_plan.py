@@ -17,7 +17,8 @@ from llamapack.cli import main
 from llamapack.errors import CapacityError, PackIOError
 from llamapack.plan import hits, probe, recommend
 from llamapack.plan.model import (DEFAULT_COSTS, MIB, REF_ACTIVE_BYTES, REF_EXPERT_BYTES, Budgets, Machine, ModelShape,
-                                  StepLoads, decode_compute_s, decode_time, prefill_compute_s, prefill_time)
+                                  StepLoads, decode_compute_s, decode_time, prefill_compute_s, prefill_time,
+                                  python_work, ssd_step_share)
 
 STRIDE = 2654208  # 2.53 MiB, the Qwen3-30B-shaped model's block
 QWEN30B = ModelShape("q30b", 48, 128, 8, STRIDE, STRIDE, REF_EXPERT_BYTES, int(17.46e9 - 16.31e9), 98304)
@@ -36,15 +37,70 @@ def test_all_hit_decode_is_compute_plus_hook_overhead():
     for machine in (GPU, HOST):
         split = decode_time(QWEN30B, machine, loads(0))
         hook = DEFAULT_COSTS.gpu_hook_s_per_layer if machine.gpu else DEFAULT_COSTS.host_hook_s_per_layer
-        assert split.ssd == split.ram == 0
+        assert split.ssd == split.ram == split.python == 0
         assert split.total == pytest.approx(decode_compute_s(QWEN30B, machine) + 48 * hook)
 
 
 def test_reference_model_reproduces_the_measured_figures():
+    """The H100 calibration (gpu_hotpath_q30b.json): vanilla, and the all-hit step native and in Python."""
     assert QWEN30B.active_bytes == pytest.approx(REF_ACTIVE_BYTES)
-    assert 1 / decode_compute_s(QWEN30B, GPU) == pytest.approx(221.20)        # vanilla-vram
-    assert 1 / decode_time(QWEN30B, GPU, loads(0)).total == pytest.approx(111.83)  # pack-100%
-    assert 512 / prefill_compute_s(QWEN30B, GPU, 512, 512) == pytest.approx(1929.1)
+    assert 1 / decode_compute_s(QWEN30B, GPU) == pytest.approx(163.57)        # vanilla-vram
+    assert 512 / prefill_compute_s(QWEN30B, GPU, 512, 512) == pytest.approx(2011.2)
+    c = DEFAULT_COSTS
+    assert decode_time(QWEN30B, GPU, loads(0)).total == pytest.approx(1 / 163.57 + 48 * c.gpu_hook_s_per_layer)
+    assert decode_time(QWEN30B, GPU, loads(0), native_hot_path=False).total == pytest.approx(
+        1 / 163.57 + 48 * (c.gpu_hook_s_per_layer + c.python_step_s))
+
+
+def test_native_hot_path_costs_python_only_for_ssd_steps():
+    c = DEFAULT_COSTS
+    # counted by the replay: 3 of 48 steps read the SSD, with 5 misses between them; 20 RAM hits served natively
+    counted = StepLoads(384, 359, 20, 5, ssd_steps=3, ssd_step_misses=5)
+    native, python = (decode_time(QWEN30B, GPU, counted, native_hot_path=n) for n in (True, False))
+    assert native.python == pytest.approx(3 * c.python_step_s + 5 * c.python_load_s)
+    assert python.python == pytest.approx(48 * c.python_step_s + 25 * c.python_load_s)
+    assert native.total < python.total and native.hook == python.hook and native.ssd == python.ssd
+    # a RAM tier alone (no SSD read): nothing enters Python with the native path
+    assert decode_time(QWEN30B, GPU, loads(0, ram=30)).python == 0
+    # the host pool pays its per-step hook either way
+    assert decode_time(QWEN30B, HOST, counted, native_hot_path=True).total == pytest.approx(
+        decode_time(QWEN30B, HOST, counted, native_hot_path=False).total)
+    # native never slower, and the gap shrinks as more steps read the SSD
+    gaps = [decode_time(QWEN30B, GPU, loads(ssd), native_hot_path=False).total
+            - decode_time(QWEN30B, GPU, loads(ssd)).total for ssd in (0, 5, 40, 384)]
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] == pytest.approx(0, abs=1e-12)
+
+
+def test_share_of_python_steps_from_the_rates():
+    # not counted: each of a step's 8 keys an SSD read with probability ssd_reads / lookups, independently
+    assert ssd_step_share(loads(0), 48) == 0
+    assert ssd_step_share(loads(384), 48) == pytest.approx(1)
+    assert ssd_step_share(loads(38.4), 48) == pytest.approx(1 - 0.9 ** 8)
+    steps, misses = python_work(loads(38.4, ram=10), 48, True)
+    assert steps == pytest.approx(48 * (1 - 0.9 ** 8)) and 38.4 < misses < 48.4
+    assert python_work(loads(38.4, ram=10), 48, False) == (48, pytest.approx(48.4))
+    # counted wins over the estimate
+    assert ssd_step_share(StepLoads(384, 374, 0, 10, ssd_steps=2, ssd_step_misses=10), 48) == pytest.approx(2 / 48)
+
+
+def test_replay_counts_the_steps_that_read_the_ssd():
+    # pool of 2, tier of 4: step 1 reads both from the SSD; step 2 hits; step 3 misses into the tier (RAM)
+    steps = [[(0, 0), (0, 1)], [(0, 0), (0, 1)], [(0, 2), (0, 3)], [(0, 0), (0, 1)], [(0, 4), (0, 5)]]
+    counted = hits.replay(steps, [True] * 5, 2, 4)
+    assert counted.ssd_steps == 3 and counted.ssd_step_misses == 6      # steps 1, 3, 5
+    assert counted.ram_hits == 2                                         # step 4, native with a tier
+    preloaded = hits.replay(steps, [True] * 5, 2, 6, preload=[[(0, e) for e in range(6)]])
+    assert preloaded.ssd_steps == preloaded.ssd_reads == 0
+
+
+def test_prefill_in_the_benchs_order(tmp_path):
+    small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
+    trace = hits.decode_trace(small, tmp_path)
+    first, second = hits.request_prefill_loads(small, trace, [64, 64], [40, 40], 64, 64, 0)
+    assert first.ssd_reads == first.lookups > 0        # an empty cache: every key is read
+    assert second.ssd_reads == 0                       # the pool holds every expert by then
+    warm, = hits.request_prefill_loads(small, trace, [64], [0], 64, 16, 64, preloaded=True)
+    assert warm.ssd_reads == 0 and warm.ram_hits > 0   # a full tier filled at load
 
 
 def test_decode_is_monotonic_in_hit_rate_and_disk_speed():
@@ -64,7 +120,7 @@ def test_miss_costs_are_bytes_over_rates():
 def test_io_overlap_hides_reads_under_compute():
     full = replace(DEFAULT_COSTS, io_overlap=1.0)
     serial, hidden = decode_time(QWEN30B, GPU, loads(25)), decode_time(QWEN30B, GPU, loads(25), full)
-    assert hidden.total == pytest.approx(max(serial.ssd + serial.ram, serial.compute + serial.hook))
+    assert hidden.total == pytest.approx(max(serial.ssd + serial.ram, serial.compute + serial.hook) + serial.python)
 
 
 def test_prefill_ubatches_and_compute():

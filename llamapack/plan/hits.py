@@ -95,36 +95,56 @@ def decode_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) 
 
 
 def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots: int, tier_blocks: int,
-           n_tokens: int = 1, policy=None) -> StepLoads:
-    """Sum the loads of the ``measured`` steps after replaying all of ``steps`` (each of ``n_tokens`` tokens, as the
-    provider tells the policies) through a pool of ``pool_slots`` and a tier of ``tier_blocks`` (0: none), each
-    with ``policy`` (a policy class; None: the default policy)."""
+           n_tokens: int | list[int] = 1, policy=None, preload: list[list[tuple[int, int]]] = ()) -> StepLoads:
+    """Sum the loads of the ``measured`` steps after replaying all of ``steps`` (each of ``n_tokens`` tokens, or
+    per step, as the provider tells the policies) through a pool of ``pool_slots`` and a tier of ``tier_blocks``
+    (0: none), each with ``policy`` (a policy class; None: the default policy). Also counts the steps with an SSD
+    read and their misses (the steps the native hot path sends to Python). ``preload``: steps the tier alone
+    acquires first (a tier filled at load, ``tier_preload``)."""
     policy = policy or cache_policy.DEFAULT_POLICY
     pool = policy(pool_slots)
     tier = policy(tier_blocks) if tier_blocks else None
-    lookups = pool_hits = ram_hits = ssd_reads = 0
-    for step, counted in zip(steps, measured):
+    for step in preload if tier is not None else ():
+        tier.acquire(step)
+    tokens = n_tokens if isinstance(n_tokens, list) else [n_tokens] * len(steps)
+    lookups = pool_hits = ram_hits = ssd_reads = ssd_steps = ssd_step_misses = 0
+    for step, counted, n in zip(steps, measured, tokens):
         if not step:
             continue
-        plan = pool.acquire(step, n_tokens=n_tokens)
+        plan = pool.acquire(step, n_tokens=n)
         misses = [a.key for a in plan.assignments if not a.hit]
         from_ram = 0
         if tier is not None and misses:
-            from_ram = tier.acquire(misses, n_tokens=n_tokens).hits
+            from_ram = tier.acquire(misses, n_tokens=n).hits
         if counted:
             lookups += len(plan.assignments)
             pool_hits += plan.hits
             ram_hits += from_ram
             ssd_reads += len(misses) - from_ram
-    return StepLoads(lookups, pool_hits, ram_hits, ssd_reads)
+            if len(misses) > from_ram:
+                ssd_steps += 1
+                ssd_step_misses += len(misses)
+    return StepLoads(lookups, pool_hits, ram_hits, ssd_reads, ssd_steps, ssd_step_misses)
 
 
-def decode_loads(trace: RoutingTrace, pool_slots: int, tier_blocks: int, policy=None) -> StepLoads:
-    """Loads per decode token of the trace's last request (the earlier requests warm the cache)."""
+def tier_preload(n_layers: int, n_experts: int, tier_blocks: int) -> list[list[tuple[int, int]]]:
+    """The steps of a tier filled at load (``ram_preload``): the provider's keys (``host_tier.preload_keys``,
+    expert 0 of every layer, then expert 1...), one expert of every layer a step."""
+    from ..provider.host_tier import preload_keys
+
+    keys = preload_keys(range(n_layers), n_experts, min(tier_blocks, n_layers * n_experts))
+    return [keys[i:i + n_layers] for i in range(0, len(keys), n_layers)]
+
+
+def decode_loads(trace: RoutingTrace, pool_slots: int, tier_blocks: int, policy=None,
+                 preloaded: bool = False) -> StepLoads:
+    """Loads per decode token of the trace's last request (the earlier requests warm the cache); ``preloaded``:
+    the tier filled at load."""
     last_start = trace.request_bounds()[-1][0]
     measured_tokens = (np.arange(trace.n_tokens) >= last_start) & ~trace.prefill
     measured = np.repeat(measured_tokens, trace.n_layers).tolist()
-    total = replay(trace.steps(), measured, pool_slots, tier_blocks, policy=policy)
+    preload = tier_preload(trace.n_layers, trace.n_experts, tier_blocks) if preloaded and tier_blocks else []
+    total = replay(trace.steps(), measured, pool_slots, tier_blocks, policy=policy, preload=preload)
     return _per(total, int(measured_tokens.sum()))
 
 
@@ -149,6 +169,34 @@ def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: i
     return _per(total, -(-n_tokens // n_ubatch))
 
 
+def request_prefill_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[int], n_decoded: list[int],
+                          n_ubatch: int, pool_slots: int, tier_blocks: int, seed: int = TRACE_SEED,
+                          policy=None, preloaded: bool = False) -> list[StepLoads]:
+    """A benchmark's requests in order (prompt ``prompts[i]`` tokens, then ``n_decoded[i]`` decode tokens of the
+    trace's request i, as far as it has them), the cache carried from one to the next and empty at the start: the
+    loads per ubatch of each prompt. What ``llamapack bench`` measures, where ``prefill_loads`` is a prompt after
+    one of the same length. ``preloaded``: the tier filled at load."""
+    inclusion = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k).inclusion()
+    rng = np.random.default_rng(seed)
+    bounds, decode_steps = trace.request_bounds(), trace.steps()
+    steps, tokens, owner = [], [], []  # owner: the request whose prefill a step is (-1: decode)
+    for i, (n_prompt, n_dec) in enumerate(zip(prompts, n_decoded)):
+        prompt = ubatch_steps(inclusion, n_prompt, n_ubatch, rng)
+        steps += prompt
+        tokens += [min(n_prompt, n_ubatch)] * len(prompt)
+        owner += [i] * len(prompt)
+        start, end = bounds[i % len(bounds)]
+        decoded = [t for t in range(start, end) if not trace.prefill[t]][:n_dec]
+        for t in decoded:
+            steps += decode_steps[t * trace.n_layers:(t + 1) * trace.n_layers]
+        tokens += [1] * (len(decoded) * trace.n_layers)
+        owner += [-1] * (len(decoded) * trace.n_layers)
+    preload = tier_preload(shape.n_moe_layers, shape.n_experts, tier_blocks) if preloaded and tier_blocks else []
+    return [_per(replay(steps, [o == i for o in owner], pool_slots, tier_blocks, tokens, policy, preload),
+                 -(-n_prompt // n_ubatch)) for i, n_prompt in enumerate(prompts)]
+
+
 def _per(total: StepLoads, n: int) -> StepLoads:
     n = max(n, 1)
-    return StepLoads(total.lookups / n, total.pool_hits / n, total.ram_hits / n, total.ssd_reads / n)
+    return StepLoads(total.lookups / n, total.pool_hits / n, total.ram_hits / n, total.ssd_reads / n,
+                     total.ssd_steps / n, total.ssd_step_misses / n)

@@ -1,15 +1,20 @@
 """The speed model of ``llamapack plan`` (pure: no I/O, no clock).
 
 Decode, per token:
-    t = compute + n_moe_layers * hook + ssd_reads * block / disk + ram_hits * block / h2d
+    t = compute + n_moe_layers * hook + python_steps * python_step + python_loads * python_load
+        + ssd_reads * block / disk + ram_hits * block / h2d
 where ``ssd_reads`` and ``ram_hits`` are the pool misses per token served by the SSD and by the RAM tier
 (``hits.py`` replays a routing-model trace of the model's shape through the real cache policy to get them).
-Nothing overlaps: reads are demand reads, the layer waits for them (``Costs.io_overlap`` may later say
-otherwise, from the device calibration).
+``hook`` is what every cache step costs (GPU: the remap op's graph split, the router ids' readback, the native
+policy); ``python_steps`` are the steps that enter the Python provider and ``python_loads`` the pool misses they
+load. With the native hot path (``Budgets.native_hot_path``, the provider's default) only a step with an SSD read
+enters Python (the replay counts them: ``StepLoads.ssd_steps``); without it every step does. A host pool costs
+``host_hook`` per step, Python or not (the native path's saving there is not measured).
+Nothing overlaps: reads are demand reads, the layer waits for them (``Costs.io_overlap``).
 
 Prefill of P tokens in ubatches of U: ceil(P / U) ubatches; in each, every MoE layer's distinct experts of the
 ubatch are made resident once (one cache step per layer and ubatch), so
-    t = compute(P, U) + ubatches * n_moe_layers * hook + ssd_reads * block / disk + ram_hits * block / h2d.
+    t = compute(P, U) + ubatches * (n_moe_layers * hook + Python's steps and loads) + reads + copies.
 
 Compute is vanilla llama.cpp's time for the model (every expert resident). On a GPU it is scaled from the
 measured reference model (``Costs``) by the bytes a token reads (non-expert weights + top-k experts per MoE
@@ -35,15 +40,31 @@ REF_ACTIVE_BYTES = (17.46e9 - 16.31e9) + REF_N_MOE_LAYERS * REF_TOP_K * REF_EXPE
 class Costs:
     """Measured (or, where said, guessed) per-token costs. Sources are in bench/results/."""
 
-    # vanilla-vram decode 221.20 tok/s on the H200 (gpu_bench_idle_prefetch_greedy_skew0.md), per active byte
-    gpu_decode_s_per_active_byte: float = (1 / 221.20) / REF_ACTIVE_BYTES
-    # vanilla-vram prefill of 512 tokens at 1929.1 tok/s, n_ubatch 512 (same file), per token and active byte
-    gpu_prefill_s_per_token_per_active_byte: float = (1 / 1929.1) / REF_ACTIVE_BYTES
+    # Calibrated on the H100 machine's Qwen3-30B-shaped runs (bench/results/gpu_hotpath_q30b.json and
+    # gpu_ssd_policy_warm_q30b.json, sampled decode at temperature 1; docs/plan.md "Validation"), checked on the
+    # granite-shaped runs (gpu_hotpath_granite.json), which were not fitted on.
+    # vanilla-vram decode 163.57 tok/s (gpu_hotpath_q30b.json), per active byte (the H200's greedy 221.20 tok/s,
+    # gpu_bench_idle_prefetch_greedy_skew0.md, was the earlier source)
+    gpu_decode_s_per_active_byte: float = (1 / 163.57) / REF_ACTIVE_BYTES
+    # vanilla-vram prefill of 512 tokens at 2011.2 tok/s, n_ubatch 512 (same file), per token and active byte
+    gpu_prefill_s_per_token_per_active_byte: float = (1 / 2011.2) / REF_ACTIVE_BYTES
     gpu_prefill_reference_ubatch: int = 512
-    # pack-100% (nothing read) 111.83 tok/s against vanilla's 221.20 (same file): the hook's callback, the router
-    # ids' readback and graph splits, per MoE layer per cache step (~92 us)
-    gpu_hook_s_per_layer: float = (1 / 111.83 - 1 / 221.20) / REF_N_MOE_LAYERS
-    # provider callback on the host (no device sync): 27.2 us per acquire (provider_overhead_h200_cpu.json)
+    # every cache step on a GPU, native or not: the remap op's graph split, the router ids' readback, the native
+    # policy's acquire. pack-25%+ram+preload and pack-50%+ram+preload (gpu_hotpath_q30b.json, native: no step
+    # enters Python, provider_calls 0): 9.25 and 8.33 ms per token, less vanilla's 6.11 and their RAM copies at
+    # the probed 55.29 GB/s (27.9 and 12.7 per token: 1.34, 0.61 ms), over 48 layers: 37.4 and 33.4 us; the mean
+    gpu_hook_s_per_layer: float = 35.4e-6
+    # a step that enters the Python provider (cffi callback, GIL, the Python policy): pack-100%+pyhot against
+    # pack-100% (gpu_hotpath_q30b.json, the same loads): 1.63 ms more per token for 46.8 more Python steps per
+    # token (19104 against 488 provider_calls in 398 tokens)
+    python_step_s: float = 34.9e-6
+    # per pool miss the Python provider loads (plans the slot, stages the read, bookkeeping): pack-25%@8G and
+    # pack-12.5%@8G (gpu_ssd_policy_warm_q30b.json, native) "rest of the provider" + "entering the callbacks"
+    # (1.99, 6.30 ms per token), less python_step_s x their provider_calls per token (21.0, 45.3), over their
+    # misses per token (28.5, 120.1): 44.1 and 39.3 us; the mean. (The pyhot RAM-tier runs give 48 and 82 us.)
+    python_load_s: float = 41.7e-6
+    # provider callback on the host (no device sync): 27.2 us per acquire (provider_overhead_h200_cpu.json); a host
+    # pool's every step, Python or native (not measured with the native path)
     host_hook_s_per_layer: float = 27.17e-6
     # guessed, not measured: weights per byte for the CPU prefill's FLOPs (~4.5 bits per weight, Q4_K-like)
     cpu_weights_per_byte: float = 1.8
@@ -111,18 +132,22 @@ class Machine:
 
 @dataclass(frozen=True)
 class Budgets:
-    """Pool slots, RAM-tier blocks (0: none) and the prefill ubatch; ``gpu``: the pool is in VRAM."""
+    """Pool slots, RAM-tier blocks (0: none) and the prefill ubatch; ``gpu``: the pool is in VRAM;
+    ``native_hot_path``: steps with no SSD read are served in libllama (StreamingSettings.native_hot_path, which the
+    provider applies with the ``next-use`` policy and no lookahead only: give False otherwise)."""
 
     pool_slots: int
     tier_blocks: int
     n_ubatch: int
     gpu: bool
+    native_hot_path: bool = True
 
     def settings(self, shape: ModelShape) -> dict:
-        """The StreamingSettings / run options these budgets are: cache_vram_mib, ram_cache_mib, n_ubatch."""
+        """The StreamingSettings / run options these budgets are: cache_vram_mib, ram_cache_mib, n_ubatch,
+        native_hot_path."""
         return {"cache_vram_mib": mib_up(self.pool_slots * shape.slot_bytes),
                 "ram_cache_mib": mib_up(self.tier_blocks * shape.block_bytes) if self.tier_blocks else None,
-                "n_ubatch": self.n_ubatch}
+                "n_ubatch": self.n_ubatch, "native_hot_path": self.native_hot_path}
 
 
 def mib_up(nbytes: int) -> float:
@@ -133,12 +158,16 @@ def mib_up(nbytes: int) -> float:
 @dataclass(frozen=True)
 class StepLoads:
     """Where a pool's misses came from, averaged: per decode token, or per prefill ubatch. ``lookups``: distinct
-    (layer, expert) keys asked for; ``pool_hits``; ``ram_hits`` (misses the tier held); ``ssd_reads``."""
+    (layer, expert) keys asked for; ``pool_hits``; ``ram_hits`` (misses the tier held); ``ssd_reads``.
+    ``ssd_steps``: the cache steps with an SSD read (those the native hot path sends to Python) and
+    ``ssd_step_misses`` their pool misses, where counted (None: estimated from the rates, ``python_work``)."""
 
     lookups: float
     pool_hits: float
     ram_hits: float
     ssd_reads: float
+    ssd_steps: float | None = None
+    ssd_step_misses: float | None = None
 
     @property
     def pool_hit_rate(self) -> float | None:
@@ -159,10 +188,11 @@ class TimeSplit:
     ssd: float
     ram: float
     overlap: float = 0.0
+    python: float = 0.0  # the Python provider's steps and loads (GPU pool)
 
     @property
     def total(self) -> float:
-        return self.compute + self.hook + self.ssd + self.ram - self.overlap
+        return self.compute + self.hook + self.python + self.ssd + self.ram - self.overlap
 
 
 def decode_compute_s(shape: ModelShape, machine: Machine, costs: Costs = DEFAULT_COSTS) -> float:
@@ -203,25 +233,59 @@ def hook_s_per_layer(machine: Machine, costs: Costs = DEFAULT_COSTS) -> float:
     return costs.gpu_hook_s_per_layer if machine.gpu else costs.host_hook_s_per_layer
 
 
-def decode_time(shape: ModelShape, machine: Machine, per_token: StepLoads, costs: Costs = DEFAULT_COSTS) -> TimeSplit:
+def ssd_step_share(loads: StepLoads, n_steps: int) -> float:
+    """Share of ``n_steps`` cache steps with an SSD read: counted by the replay, else estimated from the rates
+    (each of a step's ``lookups / n_steps`` keys an SSD read with probability ``ssd_reads / lookups``, alone)."""
+    if loads.ssd_steps is not None:
+        return min(loads.ssd_steps / n_steps, 1.0) if n_steps else 0.0
+    if not loads.lookups or not loads.ssd_reads:
+        return 0.0
+    return 1 - (1 - loads.ssd_reads / loads.lookups) ** (loads.lookups / n_steps)
+
+
+def python_work(loads: StepLoads, n_steps: int, native_hot_path: bool) -> tuple[float, float]:
+    """(steps, pool misses) the Python provider handles of ``n_steps`` cache steps with ``loads``: all of them
+    without the native hot path; with it, the steps with an SSD read and their misses (estimated, when not
+    counted, as the SSD reads and the share of RAM hits that fall in those steps)."""
+    misses = loads.ram_hits + loads.ssd_reads
+    if not native_hot_path:
+        return float(n_steps), misses
+    share = ssd_step_share(loads, n_steps)
+    if loads.ssd_step_misses is not None:
+        return share * n_steps, loads.ssd_step_misses
+    return share * n_steps, loads.ssd_reads + share * loads.ram_hits
+
+
+def step_costs(shape: ModelShape, machine: Machine, loads: StepLoads, costs: Costs,
+               native_hot_path: bool) -> tuple[float, float]:
+    """(hook, Python) seconds of one token's or ubatch's ``n_moe_layers`` cache steps with ``loads``."""
+    n = shape.n_moe_layers
+    if not machine.gpu:
+        return n * costs.host_hook_s_per_layer, 0.0
+    steps, misses = python_work(loads, n, native_hot_path)
+    return n * costs.gpu_hook_s_per_layer, steps * costs.python_step_s + misses * costs.python_load_s
+
+
+def decode_time(shape: ModelShape, machine: Machine, per_token: StepLoads, costs: Costs = DEFAULT_COSTS,
+                native_hot_path: bool = True) -> TimeSplit:
     """One decode token's seconds (module docstring)."""
     compute = decode_compute_s(shape, machine, costs)
-    hook = shape.n_moe_layers * hook_s_per_layer(machine, costs)
+    hook, python = step_costs(shape, machine, per_token, costs, native_hot_path)
     ssd, ram = load_seconds(per_token, shape, machine)
     overlap = costs.io_overlap * min(ssd + ram, compute + hook)
-    return TimeSplit(compute, hook, ssd, ram, overlap)
+    return TimeSplit(compute, hook, ssd, ram, overlap, python)
 
 
 def prefill_time(shape: ModelShape, machine: Machine, n_tokens: int, n_ubatch: int, per_ubatch: StepLoads,
-                 costs: Costs = DEFAULT_COSTS) -> TimeSplit:
+                 costs: Costs = DEFAULT_COSTS, native_hot_path: bool = True) -> TimeSplit:
     """Seconds to prefill ``n_tokens`` (module docstring); ``per_ubatch``: the loads of one ubatch, all layers."""
     n_ubatches = math.ceil(n_tokens / n_ubatch)
     compute = prefill_compute_s(shape, machine, n_tokens, n_ubatch, costs)
-    hook = n_ubatches * shape.n_moe_layers * hook_s_per_layer(machine, costs)
+    hook, python = step_costs(shape, machine, per_ubatch, costs, native_hot_path)
     ssd, ram = load_seconds(per_ubatch, shape, machine)
-    ssd, ram = ssd * n_ubatches, ram * n_ubatches
+    hook, python, ssd, ram = hook * n_ubatches, python * n_ubatches, ssd * n_ubatches, ram * n_ubatches
     overlap = costs.io_overlap * min(ssd + ram, compute + hook)
-    return TimeSplit(compute, hook, ssd, ram, overlap)
+    return TimeSplit(compute, hook, ssd, ram, overlap, python)
 
 
 @dataclass(frozen=True)

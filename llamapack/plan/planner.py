@@ -13,7 +13,8 @@ from .model import MIB, ModelShape, Prediction
 from .shape import read_shape
 
 NOTES = (recommend.HYBRID_NOTE, "multi-GPU: not modelled (one pool on one GPU)",
-         "predictions are not yet validated against measurements on the device (docs/plan.md)")
+         "constants calibrated on one H100 machine's Qwen3-30B-shaped runs, checked on granite-shaped ones "
+         "(docs/plan.md, Validation)")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def prediction_json(p: Prediction, shape: ModelShape) -> dict:
     out = {"label": p.label, "settings": p.budgets.settings(shape), "pool_slots": p.budgets.pool_slots,
            "tier_blocks": p.budgets.tier_blocks, "gpu_pool": p.budgets.gpu,
            "decode_tok_s": p.decode_tok_s,
-           "decode_ms_per_token": {"compute": 1e3 * d.compute, "hook": 1e3 * d.hook, "ssd": 1e3 * d.ssd,
+           "decode_ms_per_token": {"compute": 1e3 * d.compute, "hook": 1e3 * d.hook, "python": 1e3 * d.python,
+                                   "ssd": 1e3 * d.ssd,
                                    "ram": 1e3 * d.ram, "overlap": 1e3 * d.overlap, "total": 1e3 * d.total},
            "decode_pool_hit_rate": p.decode_loads.pool_hit_rate, "decode_tier_hit_rate": tier_hit_rate(p),
            "decode_misses_per_token": p.decode_loads.ram_hits + p.decode_loads.ssd_reads,
@@ -126,6 +128,7 @@ def table_lines(plan: Plan) -> list[str]:
               for row in rows]
     d = plan.recommended.decode
     lines += ["", f"recommended decode, ms per token: compute {1e3 * d.compute:.2f}, hook {1e3 * d.hook:.2f}, "
+                  f"Python provider {1e3 * d.python:.2f}, "
                   f"SSD reads {1e3 * d.ssd:.2f}, RAM copies {1e3 * d.ram:.2f}",
               "settings: " + ", ".join(f"{k}={v}" for k, v in plan.settings().items()),
               *(f"note: {note}" for note in NOTES)]

@@ -96,16 +96,21 @@ def alternatives(shape: ModelShape, chosen: Budgets) -> list[tuple[str, Budgets]
 
 
 def predict(shape: ModelShape, machine: Machine, label: str, budgets: Budgets, trace, n_ctx: int,
-            costs: Costs = DEFAULT_COSTS, prefill_lengths=PREFILL_LENGTHS, policy=None) -> Prediction:
+            costs: Costs = DEFAULT_COSTS, prefill_lengths=PREFILL_LENGTHS, policy=None,
+            prefill_loads: dict | None = None, tier_preloaded: bool = False) -> Prediction:
     """Decode and prefill predictions for ``budgets`` (``trace``: ``hits.decode_trace(shape)``), prefill at each of
-    ``prefill_lengths`` tokens; ``policy``: the pool's and tier's policy class (None: the default policy)."""
-    per_token = hits.decode_loads(trace, budgets.pool_slots, budgets.tier_blocks, policy=policy)
+    ``prefill_lengths`` tokens (the second of two such prompts, unless ``prefill_loads`` gives a length's loads per
+    ubatch); ``policy``: the pool's and tier's policy class (None: the default policy); ``tier_preloaded``: the
+    tier filled at load (``--ram-preload``; the plan's own tier starts cold)."""
+    per_token = hits.decode_loads(trace, budgets.pool_slots, budgets.tier_blocks, policy=policy,
+                                  preloaded=tier_preloaded)
+    native = budgets.native_hot_path
     prefill = {}
     for n_tokens in prefill_lengths:
-        per_ubatch = hits.prefill_loads(shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks,
-                                        policy=policy)
-        prefill[n_tokens] = prefill_time(shape, machine, n_tokens, budgets.n_ubatch, per_ubatch, costs)
-    return Prediction(label, budgets, decode_time(shape, machine, per_token, costs), per_token, prefill,
+        per_ubatch = (prefill_loads or {}).get(n_tokens) or hits.prefill_loads(
+            shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks, policy=policy)
+        prefill[n_tokens] = prefill_time(shape, machine, n_tokens, budgets.n_ubatch, per_ubatch, costs, native)
+    return Prediction(label, budgets, decode_time(shape, machine, per_token, costs, native), per_token, prefill,
                       memory_use(shape, budgets, n_ctx), shape.block_bytes)
 
 
