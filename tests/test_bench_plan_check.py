@@ -56,25 +56,53 @@ def test_rows_take_the_runs_budgets_and_measurements(q30b):
     assert row["measured_pool_hit_rate"] == pytest.approx(0.801, abs=0.001)  # the README's 80.1%
     assert row["ratio"] == pytest.approx(row["predicted_decode_tok_s"] / row["measured_decode_tok_s"])
     assert row["within"] == (abs(row["ratio"] - 1) <= 0.2)
-    # the time model fed the run's own loads: compute + hook + its SSD reads per token at the probe's 1.1 GB/s
+    # the time model fed the run's own loads: compute + hook + its SSD reads per token at the probe's 1.1 GB/s; a
+    # run from before the native hot path: every step and every miss in Python
+    assert row["native_hot_path"] is False
     misses = sum(r["decode_counters"]["cache_misses"] for r in run["requests"])
     from llamapack.bench.plan_check import shape_from_results, machine_from_probe_file
 
     shape = shape_from_results(results, 8)
     machine, _ = machine_from_probe_file(q30b[1] / "probe.json", STRIDE)
-    expected = decode_compute_s(shape, machine) + 48 * DEFAULT_COSTS.gpu_hook_s_per_layer + misses / decoded * STRIDE / 1.1e9
+    c = DEFAULT_COSTS
+    expected = (decode_compute_s(shape, machine) + 48 * (c.gpu_hook_s_per_layer + c.python_step_s)
+                + misses / decoded * (STRIDE / 1.1e9 + c.python_load_s))
     assert row["time_model_on_measured_hits_tok_s"] == pytest.approx(1 / expected)
     # the prediction is the plan's: its trace replayed through NextUse at these slots, then the same time model
     loads = hits.decode_loads(hits.decode_trace(shape, q30b[1] / "plan"), 1536, 0)
     assert row["predicted_pool_hit_rate"] == pytest.approx(loads.pool_hit_rate)
-    assert row["predicted_decode_tok_s"] == pytest.approx(1 / decode_time(shape, machine, loads).total)
+    assert row["predicted_decode_tok_s"] == pytest.approx(1 / decode_time(shape, machine, loads,
+                                                                          native_hot_path=False).total)
     low, high = row["predicted_at_bench_disk_tok_s"]  # the bench's probes: 0.83 and 1.78 GB/s
     assert low < row["predicted_decode_tok_s"] < high
     assert rows["vanilla-vram"]["predicted_decode_tok_s"] == pytest.approx(1 / decode_compute_s(shape, machine))
     predicted = [rows[n]["predicted_decode_tok_s"] for n in ("pack-12.5%@8G", "pack-25%@8G", "pack-50%@8G")]
     assert predicted == sorted(predicted)  # a bigger pool, faster
-    assert "tier filled at load: not modelled" in rows["pack-25%+ram+preload"]["notes"][0]
+    assert "tier filled at load: replayed as such" in rows["pack-25%+ram+preload"]["notes"][0]
     assert rows["pack-25%+ram+preload"]["measured_tier_hit_rate"] == 1.0  # preloaded: every pool miss hit the tier
+    assert rows["pack-25%+ram+preload"]["predicted_tier_hit_rate"] == 1.0  # a full tier filled at load, replayed
+
+
+HOTPATH = os.path.join(REPO, "bench", "results", "gpu_hotpath_q30b.json")
+
+
+def test_native_runs_and_pyhot_runs(tmp_path):
+    """The H100 hot-path runs: +pyhot runs every step in Python, the native ones only SSD steps; the prefill
+    rows follow the bench's request order (512 first, from an empty cache), the plan's own figure beside them."""
+    table, _ = check(HOTPATH, probe_file=str(probe_file(tmp_path, disk=2.29e9, h2d=55.29e9)), cache_dir=tmp_path)
+    rows = {r["config"]: r for r in table["decode"]}
+    assert rows["pack-100%"]["native_hot_path"] and not rows["pack-100%+pyhot"]["native_hot_path"]
+    assert rows["pack-100%+pyhot"]["predicted_python_steps_per_token"] == 48
+    assert 0 < rows["pack-100%"]["predicted_python_steps_per_token"] < 48
+    assert rows["pack-100%"]["measured_python_steps_per_token"] == pytest.approx((316 + 172) / 398)
+    for name in ("pack-100%", "pack-25%+ram+preload", "pack-50%+ram+preload"):
+        assert rows[name]["predicted_decode_tok_s"] > rows[name + "+pyhot"]["predicted_decode_tok_s"]
+    assert rows["pack-25%+ram+preload"]["predicted_python_steps_per_token"] == 0  # every miss in the full tier
+    prefill = {(r["config"], r["n_tokens"]): r for r in table["prefill"]}
+    cold, warm = prefill[("pack-100%", 512)], prefill[("pack-100%", 32)]
+    assert (cold["request"], warm["request"]) == (1, 2)
+    assert cold["predicted_tok_s"] < cold["plan_own_tok_s"]  # the bench's first prompt reads every expert
+    assert warm["predicted_tok_s"] > warm["plan_own_tok_s"]  # after a 512-token prompt and a decode
 
 
 def test_prefill_rows_and_markdown(q30b):
@@ -107,7 +135,7 @@ def test_faster_disk_and_the_policy_of_each_run(tmp_path):
 
 
 def test_refusals(tmp_path):
-    with pytest.raises(PlanCheckError, match="--model.*or --probe-file"):
+    with pytest.raises(PlanCheckError, match="--model.*--probe-file or --machine-from"):
         check(Q30B, cache_dir=tmp_path)
     with pytest.raises(PlanCheckError, match="no host-to-device copy rate.*--h2d-gbps"):
         check(Q30B, probe_file=str(probe_file(tmp_path, h2d=None)), cache_dir=tmp_path)

@@ -19,9 +19,15 @@ for a results file from another machine), with ``--disk-gbps`` / ``--h2d-gbps`` 
 from the GGUF (``--model``), or, without it, from the results file (its model section, the pool's slot bytes
 and ``top_k``, or the routing trace's top-k), so that committed results can be compared offline.
 
+Prefill is compared like with like: the plan's prefill is the second of two prompts of one length, the bench's
+requests run in order from an empty cache (its first prompt is cold, the next comes after the first's prompt and
+decode), so each prefill row predicts the bench's own sequence (``hits.request_prefill_loads``), with the
+plan's own figure beside it. The native hot path is on for a run whose config has ``native_hot_path`` (not
+``+pyhot``; results from before it existed ran the Python provider) with the ``next-use`` policy and no
+lookahead, as the provider decides.
+
 Not modelled by the plan (the rows say so): a RAM tier filled at load (``+preload``: the plan's tier starts
-cold), a warm start, router lookahead, the model's own (synthetic) routing. The plan's prefill is the second of
-two prompts of that length; the bench's first request is the first.
+cold), a warm start, router lookahead, the model's own (synthetic) routing.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from ..cache_policy import policy_class
 from ..errors import LlamapackError
 from ..plan import hits, probe, recommend
 from ..plan.model import (DEFAULT_COSTS, MIB, Budgets, Costs, Machine, ModelShape, StepLoads, decode_compute_s,
-                          decode_time, prefill_compute_s)
+                          decode_time, prefill_compute_s, python_work)
 from .report import combine, summaries
 
 TOLERANCE = 0.20  # issue #26: within +-20% of the measured figure
@@ -144,14 +150,21 @@ def budgets_of(run: dict, shape: ModelShape, n_ubatch: int) -> Budgets:
         tier = round(config["ram_fraction"] * shape.n_blocks) if config.get("ram_fraction") else 0
     device = provider.get("device", 0)
     gpu = not (isinstance(device, int) and device < 0)
-    return Budgets(int(slots), int(tier), n_ubatch, gpu)
+    return Budgets(int(slots), int(tier), n_ubatch, gpu, native_hot_path(config))
+
+
+def native_hot_path(config: dict) -> bool:
+    """Whether the run's provider served steps natively: asked (absent: a bench from before the native path,
+    every step in Python), with ``next-use`` and no lookahead (the provider's rule)."""
+    return bool(config.get("native_hot_path", False)) and config.get("cache_policy", "next-use") == "next-use" \
+        and not config.get("prefetch")
 
 
 def notes_of(run: dict) -> list[str]:
     config = run["config"]
     notes = []
     if config.get("ram_preload"):
-        notes.append("tier filled at load: not modelled (the plan's tier starts cold)")
+        notes.append("tier filled at load: replayed as such (the plan's own tier starts cold)")
     if config.get("warm_start"):
         notes.append("warm start: not modelled")
     if config.get("prefetch"):
@@ -175,7 +188,23 @@ def measured_loads(run: dict) -> StepLoads | None:
     if not decoded or not hits_ + misses:
         return None
     ram = total.get("ram_hits", 0)
-    return StepLoads((hits_ + misses) / decoded, hits_ / decoded, ram / decoded, (misses - ram) / decoded)
+    calls = total.get("provider_calls")  # the steps that entered Python; with the native path, the SSD ones
+    return StepLoads((hits_ + misses) / decoded, hits_ / decoded, ram / decoded, (misses - ram) / decoded,
+                     None if calls is None else calls / decoded)
+
+
+def bench_prefill_loads(run: dict, shape: ModelShape, trace, budgets: Budgets, policy, preloaded: bool) -> dict:
+    """Loads per ubatch of each prompt length of the run, its requests replayed in the bench's order (the first
+    from an empty cache; the decode between them from the routing model's trace, as many tokens as the run
+    decoded)."""
+    requests = run["requests"]
+    prompts = [r["n_prompt"] for r in requests]
+    loads = hits.request_prefill_loads(shape, trace, prompts, [r["n_decoded"] for r in requests], budgets.n_ubatch,
+                                       budgets.pool_slots, budgets.tier_blocks, policy=policy, preloaded=preloaded)
+    out = {}
+    for n, per_ubatch in zip(prompts, loads):
+        out.setdefault(n, per_ubatch)
+    return out
 
 
 def tier_hit_rate(run: dict) -> float | None:
@@ -217,17 +246,22 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
         budgets = budgets_of(run, shape, n_ubatch)
         here = for_pool(machine, budgets.gpu, row.name)
         policy = policy_class(config.get("cache_policy", "next-use"))
-        prediction = recommend.predict(shape, here, row.name, budgets, trace, 0, costs,
-                                       prefill_lengths=[n for n in lengths if (row.prefill_tok_s or {}).get(n)],
-                                       policy=policy)
+        measured_lengths = [n for n in lengths if (row.prefill_tok_s or {}).get(n)]
+        plan_own = recommend.predict(shape, here, row.name, budgets, trace, 0, costs, prefill_lengths=measured_lengths,
+                                     policy=policy)
+        preloaded = bool(config.get("ram_preload"))
+        prediction = recommend.predict(shape, here, row.name, budgets, trace, 0, costs, prefill_lengths=measured_lengths,
+                                       policy=policy, tier_preloaded=preloaded,
+                                       prefill_loads=bench_prefill_loads(run, shape, trace, budgets, policy, preloaded))
+        native = budgets.native_hot_path
         loads = measured_loads(run)
-        on_measured = 1 / decode_time(shape, here, loads, costs).total if loads else None
+        on_measured = 1 / decode_time(shape, here, loads, costs, native).total if loads else None
         at_disks = [1 / decode_time(shape, dataclasses.replace(here, disk_bytes_per_s=rate), prediction.decode_loads,
-                                    costs).total for rate in disks]
+                                    costs, native).total for rate in disks]
         r = ratio(prediction.decode_tok_s, row.decode_tok_s)
         decode_rows.append(dict(
             config=row.name, pool_slots=budgets.pool_slots, tier_blocks=budgets.tier_blocks, n_ubatch=n_ubatch,
-            gpu_pool=budgets.gpu, policy=config.get("cache_policy", "next-use"),
+            gpu_pool=budgets.gpu, policy=config.get("cache_policy", "next-use"), native_hot_path=native,
             memory_limit_mib=config.get("memory_limit_mib"),
             predicted_decode_tok_s=prediction.decode_tok_s, measured_decode_tok_s=row.decode_tok_s, ratio=r,
             within=within(r), time_model_on_measured_hits_tok_s=on_measured,
@@ -238,8 +272,12 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
             measured_tier_hit_rate=tier_hit_rate(run) if budgets.tier_blocks else None,
             predicted_ssd_bytes_per_token=prediction.ssd_bytes_per_token,
             measured_ssd_bytes_per_token=row.read_bytes_per_token,
+            predicted_python_steps_per_token=python_steps_per_token(shape, prediction.decode_loads, here, native),
+            measured_python_steps_per_token=loads.ssd_steps if loads else None,
             predicted_decode_ms=split_ms(prediction.decode), notes=notes_of(run), rounds=row.n_rounds))
-        prefill_rows += [prefill_row(row.name, n, prediction.prefill_tok_s(n), row) for n in prediction.prefill]
+        order = [r["n_prompt"] for r in run["requests"]]
+        prefill_rows += [prefill_row(row.name, n, prediction.prefill_tok_s(n), row, plan_own.prefill_tok_s(n),
+                                     order.index(n) + 1 if n in order else None) for n in prediction.prefill]
     return dict(decode=decode_rows, prefill=prefill_rows)
 
 
@@ -252,15 +290,24 @@ def compute_row(row, shape: ModelShape, machine: Machine, costs: Costs) -> dict:
                 notes=["vanilla llama.cpp: the plan's compute term alone (own routing)"], rounds=row.n_rounds)
 
 
-def prefill_row(name: str, n_tokens: int, predicted: float, row) -> dict:
+def python_steps_per_token(shape: ModelShape, loads: StepLoads, machine: Machine, native: bool) -> float | None:
+    """Predicted decode steps per token that enter the Python provider (GPU pool)."""
+    return python_work(loads, shape.n_moe_layers, native)[0] if machine.gpu else None
+
+
+def prefill_row(name: str, n_tokens: int, predicted: float, row, plan_own: float | None = None,
+                request: int | None = None) -> dict:
+    """``predicted``: the bench's sequence (its request ``request``, 1 = the first, from an empty cache);
+    ``plan_own``: the plan's prefill (the second of two prompts of ``n_tokens``)."""
     measured = (row.prefill_tok_s or {}).get(n_tokens)
     r = ratio(predicted, measured)
-    return dict(config=name, n_tokens=n_tokens, predicted_tok_s=predicted, measured_tok_s=measured, ratio=r,
-                within=within(r))
+    return dict(config=name, n_tokens=n_tokens, request=request, predicted_tok_s=predicted, plan_own_tok_s=plan_own,
+                measured_tok_s=measured, ratio=r, within=within(r))
 
 
 def split_ms(split) -> dict:
-    return {k: 1e3 * getattr(split, k) for k in ("compute", "hook", "ssd", "ram", "overlap")} | {"total": 1e3 * split.total}
+    return {k: 1e3 * getattr(split, k) for k in ("compute", "hook", "python", "ssd", "ram", "overlap")} | \
+        {"total": 1e3 * split.total}
 
 
 # -- output
@@ -312,13 +359,15 @@ def markdown(table: dict, meta: dict) -> str:
             f"{_f(r.get('predicted_ssd_bytes_per_token'), '.1f', 1 / MIB)} / "
             f"{_f(r.get('measured_ssd_bytes_per_token'), '.1f', 1 / MIB)} | {'; '.join(r['notes'])} |")
     if prefill:
-        lines += ["", "## Prefill", "", "The plan's prefill is the second of two prompts of that length (the first warms "
-                  "the cache); the bench's first request starts with an empty cache, its second after the first's "
-                  "decode.", "",
-                  "| config | prompt tokens | predicted tok/s | measured tok/s | predicted / measured | within ±20% |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['config']} | {r['n_tokens']} | {_f(r['predicted_tok_s'], '.1f')} | {_f(r['measured_tok_s'], '.1f')} "
-                  f"| {_f(r['ratio'])} | {_yes(r['within'])} |" for r in prefill]
+        lines += ["", "## Prefill", "", "Like with like: predicted for the bench's own sequence of requests (the first "
+                  "from an empty cache, the next after the first's prompt and decode). The plan's own figure, the "
+                  "second of two prompts of that length, is beside it.", "",
+                  "| config | prompt tokens | bench request | predicted tok/s | measured tok/s | predicted / measured | "
+                  "within ±20% | the plan's own (second of two such prompts) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['config']} | {r['n_tokens']} | {r.get('request') or '–'} | {_f(r['predicted_tok_s'], '.1f')} | "
+                  f"{_f(r['measured_tok_s'], '.1f')} | {_f(r['ratio'])} | {_yes(r['within'])} | "
+                  f"{_f(r.get('plan_own_tok_s'), '.1f')} |" for r in prefill]
     lines += ["", "Predicted: `llamapack plan`'s model (docs/plan.md) for the run's exact budgets and policy, its hit "
               "rates from the routing model's trace at this shape (decode: the last of 3 requests of 32 + 160 tokens). "
               "Time model on the run's hits: the same times fed the loads the run measured per decoded token (what "
@@ -330,8 +379,10 @@ def markdown(table: dict, meta: dict) -> str:
 def check(results_path: str | os.PathLike, *, model: str | None = None, pack: str | None = None,
           probe_file: str | None = None, disk_gbps: float | None = None, h2d_gbps: float | None = None,
           top_k: int | None = None, costs: Costs | None = None, reprobe: bool = False,
-          cache_dir: Path | None = None, repo: Path | None = None) -> tuple[dict, dict]:
-    """(table, meta) for ``results_path``; see the module docstring."""
+          cache_dir: Path | None = None, repo: Path | None = None,
+          machine_from: str | None = None) -> tuple[dict, dict]:
+    """(table, meta) for ``results_path``; see the module docstring. ``machine_from``: the machine figures an
+    earlier comparison's JSON recorded (its ``meta.machine``), to redo it offline."""
     from ..cache_dir import user_cache_dir
 
     results = json.loads(Path(results_path).read_text())
@@ -347,7 +398,11 @@ def check(results_path: str | os.PathLike, *, model: str | None = None, pack: st
             raise PlanCheckError(f"{results_path}: top-k not recorded and its routing trace not found: give --top-k "
                                  "or --model")
         shape, shape_source = shape_from_results(results, k), "from the results file"
-    if probe_file is not None:
+    if machine_from is not None:
+        earlier = json.loads(Path(machine_from).read_text())["meta"]
+        machine, disk = Machine(**earlier["machine"]), earlier.get("disk")
+        machine_source = f"recorded in {machine_from} ({earlier['machine_source']})"
+    elif probe_file is not None:
         machine, disk = machine_from_probe_file(probe_file, shape.block_bytes)
         machine_source = f"probe file {probe_file}"
     elif model is not None:
@@ -359,7 +414,7 @@ def check(results_path: str | os.PathLike, *, model: str | None = None, pack: st
         machine_source = ("measured now: " + ", ".join(report.measured) if report.measured else "cached") + \
             f" by the plan's probe ({report.cache_path})"
     else:
-        raise PlanCheckError("machine figures: give --model (the plan's probe runs here) or --probe-file")
+        raise PlanCheckError("machine figures: give --model (the plan's probe runs here), --probe-file or --machine-from")
     if disk_gbps:
         machine, machine_source = dataclasses.replace(machine, disk_bytes_per_s=disk_gbps * 1e9), machine_source + \
             f"; disk set to {disk_gbps:g} GB/s"
