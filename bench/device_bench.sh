@@ -147,6 +147,12 @@ replay)  # #22: build (patched + vanilla CUDA, then upstream llama.cpp b11549 fr
     [ -n "${SKIP_BITEXACT:-}" ] || bitexact cuda_bitexact_hotpath_ramtier.json --archs qwen3moe-tiny gpt-oss-tiny mixtral-tiny --ram-cache-mib 24
     wait; tail -2 "$out/granite.log"; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
     ;;
+replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
+    (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
+        && lp pack "$work/granite.gguf" -q >> "$out/granite.log" 2>&1; echo "granite rc $?" >> "$out/granite.log") &
+    build_cuda
+    wait; tail -2 "$out/granite.log"
+    ;;
 bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after each run, so a cut call keeps them)
     results="$out/bench${TAG:+-$TAG}"
     lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
