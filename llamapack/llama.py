@@ -134,7 +134,10 @@ class Llama(llama_cpp.Llama):
 
     def eval(self, tokens):
         try:
-            return super().eval(tokens)
+            result = super().eval(tokens)
+            if self._provider is not None:
+                self._provider.after_decode()  # the native steps count towards the stats file's interval
+            return result
         except RuntimeError as exc:
             cause = self._provider.error if self._provider is not None else None
             if cause is not None:

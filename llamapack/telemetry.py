@@ -217,12 +217,13 @@ class StatsFlusher:
         self._lock = threading.Lock()
         self._calls = 0  # maybe_flush calls since the last write (one per acquire; a snapshot costs more)
 
-    def maybe_flush(self) -> bool:
-        """Write if this is the ``every_acquires``-th call since the last write; True if it wrote."""
+    def maybe_flush(self, acquires: int = 1) -> bool:
+        """Count ``acquires`` more acquires (one per call from the provider; libllama's native steps in bulk) and
+        write if ``every_acquires`` have passed since the last write; True if it wrote."""
         if self.path is None:
             return False
         with self._lock:
-            self._calls += 1
+            self._calls += acquires
             if self._calls < self.every_acquires:
                 return False
             self._write(self.counters.snapshot())

@@ -129,6 +129,8 @@ def llama_worker(spec: dict) -> dict:
         prompt = prompt_tokens(llm, spec["n_prompt"])
         np.save(spec["out"], greedy_logits(llm, prompt, spec["n_decode"]))
         result["stats"] = llm.pack_stats()
+        stats_path = Path(spec["llama"].get("stats_path", ""))
+        result["written_while_open"] = json.loads(stats_path.read_text()) if stats_path.is_file() else None
     return result
 
 
@@ -436,6 +438,25 @@ def test_llama_wrapper_serves_through_the_streaming_provider(models, vanilla, tm
     assert stats["cache_misses"] > stats["n_slots"] and stats["acquires"] == (N_PROMPT + N_DECODE) * 4
     written = json.loads(stats_path.read_text())  # closed: the last write has the final counters
     assert written["acquires"] == stats["acquires"] and written["cache_misses"] == stats["cache_misses"]
+
+
+def test_native_steps_count_towards_the_stats_files_interval(models, vanilla, tmp_path):
+    """A pool of every expert: after the prompt nearly every step is served by libllama (no Python acquire),
+    yet the stats file keeps being rewritten every stats_flush_interval acquires while the model is open."""
+    from llamapack.synth import PRESETS as SPECS
+
+    gguf, _ = models["qwen3moe-tiny"]
+    stats_path = tmp_path / "stats.json"
+    every_expert = SPECS["qwen3moe-tiny"].n_expert * SPECS["qwen3moe-tiny"].n_layer
+    spec = dict(mode="llama", model=str(gguf), n_ubatch=1, n_prompt=N_PROMPT, n_decode=N_DECODE,
+                out=str(tmp_path / "n.npy"),
+                llama=dict(cache_slots=every_expert, stats_path=str(stats_path), stats_flush_interval=50))
+    result = run_self(spec, tmp_path)
+    assert np.array_equal(np.load(tmp_path / "n.npy"), vanilla("qwen3moe-tiny", 1))
+    stats, while_open = result["stats"], result["written_while_open"]
+    assert stats["native_steps"] > stats["acquires"] // 2
+    assert while_open is not None and while_open["native_steps"] > 0
+    assert stats["acquires"] - 50 < while_open["acquires"] <= stats["acquires"]  # at most one interval behind
 
 
 # ---------------------------------------------------------------- pure parts (no llama.cpp)

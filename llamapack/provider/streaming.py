@@ -97,7 +97,7 @@ class StreamingProvider:
         self._step_tokens = 0  # tokens of the step being served (0: a preload or warm start, not a use)
         self.native_reads, self._prefetch_threads = False, 0
         self.warm_file: WarmFile | None = None
-        self._native_hot, self._fast_path_arrays, self._fast_counts = False, None, {}
+        self._native_hot, self._fast_path_arrays, self._fast_counts, self._native_steps_flushed = False, None, {}, 0
         try:
             self.tensors = native.expert_tensors(model_ptr)
             check_reader_matches_model(reader.layout, self.tensors)
@@ -189,6 +189,16 @@ class StreamingProvider:
         if self._ctx is not None:  # after close: the last counts read
             self._fast_counts = native.fast_path_counts(self._ctx)
         return self._fast_counts
+
+    def after_decode(self) -> None:
+        """Count the steps libllama served since the last call towards the stats file's flush interval (the
+        Python steps count themselves); ``llamapack.Llama`` calls it after each evaluation."""
+        if self._fast_path_arrays is None or self.flusher is None or self._ctx is None:
+            return
+        served = self._fast_path_counts().get("native_steps", 0)
+        new_steps, self._native_steps_flushed = served - self._native_steps_flushed, served
+        if new_steps:
+            self._write_stats(acquires=new_steps)
 
     def _replace_buffer(self, buffer: int) -> None:
         """Fresh memory for a buffer a hung read may still write (and, for a RAM block, for the fast path)."""
@@ -513,9 +523,9 @@ class StreamingProvider:
         if self._copier.pageable:
             self.counters.record_fallback()
 
-    def _write_stats(self, now: bool = False) -> None:
+    def _write_stats(self, now: bool = False, acquires: int = 1) -> None:
         try:
-            self.flusher.flush() if now else self.flusher.maybe_flush()
+            self.flusher.flush() if now else self.flusher.maybe_flush(acquires)
         except OSError as exc:  # telemetry must not fail a decode
             log.warning("could not write provider stats to %s: %s", self.flusher.path, exc)
 
