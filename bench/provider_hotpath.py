@@ -68,10 +68,11 @@ def timed_acquires(provider, samples: list) -> None:
     provider.acquire = timed
 
 
-def measure(model: Path, pack: Path, fraction: float, n_tokens: int, warmup: int, profile: bool = False) -> dict:
+def measure(model: Path, pack: Path, fraction: float, n_tokens: int, warmup: int, profile: bool = False,
+            native: bool = False) -> dict:
     n_slots = round(fraction * SPEC.n_layer * SPEC.n_expert)
     with Llama(str(model), pack=str(pack), cache_slots=n_slots, ram_cache_mib=1 << 20, ram_preload=True,
-               warm_start=False, n_ctx=N_PROMPT + warmup + n_tokens + 16, n_ubatch=8, n_batch=8, verbose=False,
+               warm_start=False, native_hot_path=native, n_ctx=N_PROMPT + warmup + n_tokens + 16, n_ubatch=8, n_batch=8, verbose=False,
                n_threads=1) as llm:
         provider, samples = llm._provider, []
         timed_acquires(provider, samples)
@@ -104,7 +105,8 @@ def measure(model: Path, pack: Path, fraction: float, n_tokens: int, warmup: int
         pool_hit_rate=delta["cache_hits"] / (delta["cache_hits"] + delta["cache_misses"]),
         ram_hits=delta["ram_hits"], ram_misses=delta["ram_misses"],
         provide_us_per_acquire=us(delta["provide_s"]) / delta["acquires"],
-        acquire_us_mean=us(sum(s for s, _, _ in samples)) / len(samples),
+        acquire_us_mean=us(sum(s for s, _, _ in samples)) / len(samples) if samples else None,
+        python_acquires=len(samples), native_steps=after.get("native_steps", 0) - before.get("native_steps", 0),
         all_hit_steps=len(hit_steps),
         all_hit_us_median=us(statistics.median(hit_steps)) if hit_steps else None,
         all_hit_us_mean=us(statistics.fmean(hit_steps)) if hit_steps else None,
@@ -144,6 +146,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also one profiled run per fraction (printed)")
+    parser.add_argument("--native", action="store_true",
+                        help="with the native hot path (steps needing no SSD read served in libllama; the timed "
+                             "Python acquires are then only the others); default: every step through Python")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     fractions = [float(f) for f in args.fractions.split(",")]
@@ -152,19 +157,25 @@ def main() -> None:
         model = Path(write_model(Path(folder) / f"{SPEC.name}.gguf", SPEC, seed=0))
         pack = Path(build_pack(model, progress=False, safety_margin_mib=0).pack_path)
         for fraction in fractions:
-            runs = [measure(model, pack, fraction, args.tokens, args.warmup) for _ in range(args.repeat)]
+            runs = [measure(model, pack, fraction, args.tokens, args.warmup, native=args.native)
+                    for _ in range(args.repeat)]
             summary = dict(summarize(runs), runs=runs)
             if args.profile:
-                summary["profile"] = measure(model, pack, fraction, args.tokens, args.warmup, profile=True)["profile"]
+                summary["profile"] = measure(model, pack, fraction, args.tokens, args.warmup, profile=True,
+                                             native=args.native)["profile"]
                 print(f"--- profile, pool {fraction:g}\n{summary['profile']}")
             results.append(summary)
+    def us(value) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
     for r in results:
         miss = (f"{r['miss_steps']} miss steps ({r['misses_per_miss_step']:.2f} misses each) "
-                f"{r['miss_step_us_median']:.1f} us median, {r['miss_step_us_mean']:.1f} mean "
-                f"(copies {r['miss_step_copy_us_mean']:.1f})" if r["miss_steps"] else "no miss step")
+                f"{us(r['miss_step_us_median'])} us median, {us(r['miss_step_us_mean'])} mean "
+                f"(copies {us(r['miss_step_copy_us_mean'])})" if r["miss_steps"] else "no miss step")
         print(f"pool {r['fraction']:5.3g} ({r['n_slots']} slots, {100 * r['pool_hit_rate']:.1f}% hits): "
-              f"{r['acquire_us_mean']:6.1f} us/acquire (provide_s/acquires {r['provide_us_per_acquire']:.1f}); "
-              f"{r['all_hit_steps']} all-hit steps {r['all_hit_us_median']:.1f} us median; {miss}; "
+              f"{us(r['acquire_us_mean'])} us/Python acquire ({r['python_acquires']} of them, "
+              f"{r['native_steps']} native steps; provide_s/acquires {us(r['provide_us_per_acquire'])}); "
+              f"{r['all_hit_steps']} all-hit Python steps {us(r['all_hit_us_median'])} us median; {miss}; "
               f"{r['provider_ms_per_token']:.2f} ms/token in the provider, {r['decode_ms_per_token']:.2f} decode")
     if args.out:
         result = dict(command=" ".join(["python", "bench/provider_hotpath.py", *sys.argv[1:]]), model=SPEC.description,
