@@ -16,6 +16,7 @@ from llamapack.cache_dir import user_cache_dir
 from llamapack.cli import main
 from llamapack.errors import CapacityError, PackIOError
 from llamapack.plan import hits, probe, recommend
+from llamapack.routing import RoutingTrace
 from llamapack.plan.model import (DEFAULT_COSTS, MIB, REF_ACTIVE_BYTES, REF_EXPERT_BYTES, Budgets, Machine, ModelShape,
                                   StepLoads, decode_compute_s, decode_time, prefill_compute_s, prefill_time,
                                   python_work, ssd_step_share)
@@ -384,3 +385,55 @@ def test_predict_takes_the_policy_and_prefill_lengths(tmp_path):
     assert lfu.decode_loads == hits.decode_loads(trace, 12, 0, policy=policy_class("lfu-lru"))
     assert default.decode_loads == hits.decode_loads(trace, 12, 0)
     assert lfu.decode_loads != default.decode_loads  # another policy, other hits
+
+
+def skewed_prompts(n_layers: int, n_experts: int, top_k: int, n_tokens: int, seed: int = 0) -> RoutingTrace:
+    """Prompt rows whose tokens keep reusing a few experts per layer (top_k + 2 of them), one decode row each."""
+    rng = np.random.default_rng(seed)
+    rows = np.empty((2 * (n_tokens + 1), n_layers, top_k), dtype=np.int16)
+    for t in range(len(rows)):
+        for layer in range(n_layers):
+            rows[t, layer] = rng.choice(top_k + 2, top_k, replace=False)
+    request = np.repeat(np.arange(2, dtype=np.int32), n_tokens + 1)
+    prefill = np.tile(np.r_[np.ones(n_tokens, bool), False], 2)
+    return RoutingTrace(rows, request, prefill, n_experts)
+
+
+def test_prompt_rows_count_fewer_distinct_experts_than_independent_draws():
+    small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
+    prompts = skewed_prompts(4, 16, 2, 32)
+    steps = hits.prompt_steps(hits.prompt_rows(prompts, 0), 32, 32)
+    assert len(steps) == 4 and all(len(step) <= 4 for step in steps)    # top_k + 2 reused experts per layer
+    real = hits.prefill_loads(small, 32, 32, 64, 0, prompt_source=prompts)
+    drawn = hits.prefill_loads(small, 32, 32, 64, 0)                      # the fallback: tokens independent
+    assert real.lookups <= 16 < drawn.lookups
+    # the bench's order: prompt i takes request i's rows, cycled past their end
+    first, second = hits.request_prefill_loads(small, hits.decode_trace(small, None), [64, 32], [0, 0], 32, 64, 0,
+                                               prompt_source=prompts)
+    # 64 tokens of 32 rows: the second ubatch repeats the first's rows, all hits; an empty cache reads the first's
+    assert first.lookups <= 16 and first.ssd_reads == first.lookups / 2 and first.ssd_steps == 2
+    with pytest.raises(ValueError):
+        hits.prefill_loads(replace(small, n_experts=32), 32, 32, 64, 0, prompt_source=prompts)
+
+
+def test_prompt_trace_is_the_routing_models_prompt_rows(tmp_path):
+    small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
+    prompts = hits.prompt_trace(small, tmp_path)
+    assert prompts.n_requests == hits.PROMPT_TRACE_REQUESTS
+    assert int(prompts.prefill.sum()) == hits.PROMPT_TRACE_REQUESTS * hits.PROMPT_TRACE_TOKENS
+    assert hits.prompt_trace(small, tmp_path).n_tokens == prompts.n_tokens   # cached
+    assert len(hits.prompt_rows(prompts, 3)) == hits.PROMPT_TRACE_TOKENS      # request 3 is request 1's rows
+
+
+def test_prefill_costs_cold_reads_and_batched_python_loads():
+    per_ubatch = StepLoads(4800, 0, 0, 4800, 48, 4800)
+    warm = prefill_time(QWEN30B, GPU, 512, 512, per_ubatch)
+    cold = prefill_time(QWEN30B, GPU, 512, 512, per_ubatch, cold=True)
+    assert cold.ssd == pytest.approx(warm.ssd * DEFAULT_COSTS.cold_read_factor) and cold.total > warm.total
+    # a prefill step's Python loads cost python_prefill_load_s, not the decode-fitted python_load_s
+    python = prefill_time(QWEN30B, GPU, 512, 512, per_ubatch, native_hot_path=False).python
+    assert python == pytest.approx(48 * DEFAULT_COSTS.python_step_s + 4800 * DEFAULT_COSTS.python_prefill_load_s)
+    assert DEFAULT_COSTS.python_prefill_load_s < DEFAULT_COSTS.python_load_s
+    # a RAM-tier hit in prefill costs its copy and its handling (GPU pool)
+    tier = prefill_time(QWEN30B, GPU, 512, 512, StepLoads(4800, 0, 4800, 0, 0, 0))
+    assert tier.ram == pytest.approx(4800 * (QWEN30B.block_bytes / GPU.h2d_bytes_per_s + DEFAULT_COSTS.prefill_ram_hit_s))

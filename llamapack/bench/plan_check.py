@@ -193,14 +193,16 @@ def measured_loads(run: dict) -> StepLoads | None:
                      None if calls is None else calls / decoded)
 
 
-def bench_prefill_loads(run: dict, shape: ModelShape, trace, budgets: Budgets, policy, preloaded: bool) -> dict:
+def bench_prefill_loads(run: dict, shape: ModelShape, trace, budgets: Budgets, policy, preloaded: bool,
+                        prompt_source=None) -> dict:
     """Loads per ubatch of each prompt length of the run, its requests replayed in the bench's order (the first
-    from an empty cache; the decode between them from the routing model's trace, as many tokens as the run
-    decoded)."""
+    from an empty cache; its prompts the routing model's prompt rows, ``prompt_source``; the decode between them
+    from the routing model's trace, as many tokens as the run decoded)."""
     requests = run["requests"]
     prompts = [r["n_prompt"] for r in requests]
     loads = hits.request_prefill_loads(shape, trace, prompts, [r["n_decoded"] for r in requests], budgets.n_ubatch,
-                                       budgets.pool_slots, budgets.tier_blocks, policy=policy, preloaded=preloaded)
+                                       budgets.pool_slots, budgets.tier_blocks, policy=policy, preloaded=preloaded,
+                                       prompt_source=prompt_source)
     out = {}
     for n, per_ubatch in zip(prompts, loads):
         out.setdefault(n, per_ubatch)
@@ -226,6 +228,7 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
     """Rows of predicted against measured, decode and prefill, for every finished llamapack run of ``results``
     (and vanilla-vram's compute term against its measurement)."""
     trace = hits.decode_trace(shape, cache_dir)
+    prompts = hits.prompt_trace(shape, cache_dir)
     runs, rows = first_runs(results), combine(summaries(results))
     n_ubatch = results["workload"].get("n_ubatch", 512)
     lengths = results["workload"]["prompt_lengths"]
@@ -248,11 +251,14 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
         policy = policy_class(config.get("cache_policy", "next-use"))
         measured_lengths = [n for n in lengths if (row.prefill_tok_s or {}).get(n)]
         plan_own = recommend.predict(shape, here, row.name, budgets, trace, 0, costs, prefill_lengths=measured_lengths,
-                                     policy=policy)
+                                     policy=policy, prompt_source=prompts)
         preloaded = bool(config.get("ram_preload"))
+        first = [run["requests"][0]["n_prompt"]] if run["requests"] else []
         prediction = recommend.predict(shape, here, row.name, budgets, trace, 0, costs, prefill_lengths=measured_lengths,
-                                       policy=policy, tier_preloaded=preloaded,
-                                       prefill_loads=bench_prefill_loads(run, shape, trace, budgets, policy, preloaded))
+                                       policy=policy, tier_preloaded=preloaded, prompt_source=prompts,
+                                       prefill_loads=bench_prefill_loads(run, shape, trace, budgets, policy, preloaded,
+                                                                         prompts),
+                                       cold_lengths=first)
         native = budgets.native_hot_path
         loads = measured_loads(run)
         on_measured = 1 / decode_time(shape, here, loads, costs, native).total if loads else None

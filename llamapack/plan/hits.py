@@ -7,10 +7,16 @@ the granite reuse profile, as ``llamapack trace synth`` does.
 
 Replay (``replay``) mirrors the streaming provider: one cache step per (token or ubatch, MoE layer), the pool's
 policy (``cache_policy.DEFAULT_POLICY``) sees the step's keys, the RAM tier's own policy sees the pool's misses.
-Decode figures are measured on the last request of the trace (the earlier ones warm the cache). Prefill ubatches
-are drawn per layer from the counts' inclusion, each expert present with ``1 - (1 - p) ** n_ubatch`` (tokens
-independent: an upper bound on the distinct experts of a ubatch, since real tokens reuse experts); one prompt
-warms the cache, the next is measured.
+Decode figures are measured on the last request of the trace (the earlier ones warm the cache).
+
+Prefill: a prompt ubatch asks, per layer, for the distinct experts of its tokens. They are counted on real prompt
+rows, the routing model's prefill rows (``prompt_trace``: the same model at the model's shape, 2 requests of
+``PROMPT_TRACE_TOKENS`` prompt tokens), request i of a sequence taking request i's rows (cycled past their end, as
+``bench/replay`` does): the model's reuse makes a prompt's tokens share experts (Qwen3-30B shape: ~31 distinct
+per layer for 32 tokens, ~101 for 512, where the bench measured 29.7 and 100.1). Without a prompt trace
+(``prompt_source=None``) the fallback draws each expert present with ``1 - (1 - p) ** n_ubatch`` from the counts'
+inclusion, tokens independent: an upper bound (~79 and ~121 at that shape). One prompt warms the cache, the next
+is measured.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ TRACE_REQUESTS = 3           # the last one is measured, the others warm the cac
 TRACE_PREFILL_TOKENS = 32    # per request
 TRACE_DECODE_TOKENS = 160    # per request
 TRACE_SEED = 0
+PROMPT_TRACE_REQUESTS = 2    # prompts: request i of a sequence takes request i % 2's prefill rows
+PROMPT_TRACE_TOKENS = 512    # prefill rows per request: the largest ubatch the plan chooses
 COUNTS_TOKENS = 1_000_000    # the heat scale of derived counts (only shares matter)
 
 
@@ -74,8 +82,18 @@ def _shipped(name: str) -> RoutingCounts:
 
 def decode_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) -> RoutingTrace:
     """The routing model's trace at ``shape`` (module docstring); kept as a ``.npz`` under ``cache_dir``."""
-    name = (f"routing-{shape.n_moe_layers}x{shape.n_experts}-top{shape.top_k}-{TRACE_REQUESTS}x"
-            f"{TRACE_PREFILL_TOKENS}+{TRACE_DECODE_TOKENS}-seed{TRACE_SEED}.npz")
+    return _model_trace(shape, cache_dir, TRACE_REQUESTS, TRACE_PREFILL_TOKENS, TRACE_DECODE_TOKENS)
+
+
+def prompt_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) -> RoutingTrace:
+    """The routing model's prompt rows at ``shape``: ``PROMPT_TRACE_REQUESTS`` requests of ``PROMPT_TRACE_TOKENS``
+    prefill tokens (and one decode token each, which the prompts do not use); cached as ``decode_trace`` is."""
+    return _model_trace(shape, cache_dir, PROMPT_TRACE_REQUESTS, PROMPT_TRACE_TOKENS, 1)
+
+
+def _model_trace(shape: ModelShape, cache_dir, n_requests: int, n_prefill: int, n_decode: int) -> RoutingTrace:
+    name = (f"routing-{shape.n_moe_layers}x{shape.n_experts}-top{shape.top_k}-{n_requests}x"
+            f"{n_prefill}+{n_decode}-seed{TRACE_SEED}.npz")
     path = Path(cache_dir) / name if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
@@ -83,8 +101,7 @@ def decode_trace(shape: ModelShape, cache_dir: str | os.PathLike | None = None) 
         except TraceError:
             pass  # a damaged cache file is drawn again
     counts = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k)
-    trace = RoutingModel(counts).synthesize(TRACE_REQUESTS * TRACE_DECODE_TOKENS, TRACE_REQUESTS,
-                                            TRACE_PREFILL_TOKENS, TRACE_SEED)
+    trace = RoutingModel(counts).synthesize(n_requests * n_decode, n_requests, n_prefill, TRACE_SEED)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,12 +175,43 @@ def ubatch_steps(inclusion: np.ndarray, n_tokens: int, n_ubatch: int, rng: np.ra
     return steps
 
 
-def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: int, tier_blocks: int,
-                  seed: int = TRACE_SEED, policy=None) -> StepLoads:
-    """Loads per ubatch of a prompt of ``n_tokens`` after one such prompt warmed the cache."""
+def prompt_rows(prompts: RoutingTrace, request: int) -> np.ndarray:
+    """``[tokens, layers, top_k]``: the prefill rows of ``prompts``' request ``request`` (modulo its requests; its
+    decode rows if it has no prefill row, as ``bench/replay`` does)."""
+    first, end = prompts.request_bounds()[request % prompts.n_requests]
+    rows, prefill = prompts.experts[first:end], prompts.prefill[first:end]
+    return rows[prefill] if prefill.any() else rows
+
+
+def prompt_steps(rows: np.ndarray, n_tokens: int, n_ubatch: int) -> list[list[tuple[int, int]]]:
+    """Cache steps of a prompt of ``n_tokens`` whose token t routes as ``rows[t % len(rows)]`` (cycled past the
+    rows, as the bench replays them): per ubatch, per layer, the distinct experts its tokens ask for."""
+    tokens = rows[np.arange(n_tokens) % len(rows)]
+    steps = []
+    for start in range(0, n_tokens, n_ubatch):
+        ubatch = tokens[start:start + n_ubatch]  # [u, layers, top_k]
+        steps += [[(layer, int(e)) for e in np.unique(ubatch[:, layer])] for layer in range(ubatch.shape[1])]
+    return steps
+
+
+def _prompt(shape: ModelShape, prompts: RoutingTrace | None, request: int, n_tokens: int, n_ubatch: int,
+            rng: np.random.Generator) -> list[list[tuple[int, int]]]:
+    """One prompt's cache steps: the real prompt rows of ``prompts`` (request ``request``), else independent draws."""
+    if prompts is not None:
+        if (prompts.n_layers, prompts.n_experts) != (shape.n_moe_layers, shape.n_experts):
+            raise ValueError(f"prompt trace of {prompts.n_layers} x {prompts.n_experts} for a "
+                             f"{shape.n_moe_layers} x {shape.n_experts} model")
+        return prompt_steps(prompt_rows(prompts, request), n_tokens, n_ubatch)
     inclusion = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k).inclusion()
+    return ubatch_steps(inclusion, n_tokens, n_ubatch, rng)
+
+
+def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: int, tier_blocks: int,
+                  seed: int = TRACE_SEED, policy=None, prompt_source: RoutingTrace | None = None) -> StepLoads:
+    """Loads per ubatch of a prompt of ``n_tokens`` after one such prompt warmed the cache: ``prompt_source``'s
+    requests 0 then 1 (``prompt_trace``), or, without it, two independent draws (the fallback, an upper bound)."""
     rng = np.random.default_rng(seed)
-    warm, measured = (ubatch_steps(inclusion, n_tokens, n_ubatch, rng) for _ in range(2))
+    warm, measured = (_prompt(shape, prompt_source, i, n_tokens, n_ubatch, rng) for i in range(2))
     total = replay(warm + measured, [False] * len(warm) + [True] * len(measured), pool_slots, tier_blocks,
                    n_tokens=min(n_tokens, n_ubatch), policy=policy)
     return _per(total, -(-n_tokens // n_ubatch))
@@ -171,17 +219,18 @@ def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: i
 
 def request_prefill_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[int], n_decoded: list[int],
                           n_ubatch: int, pool_slots: int, tier_blocks: int, seed: int = TRACE_SEED,
-                          policy=None, preloaded: bool = False) -> list[StepLoads]:
+                          policy=None, preloaded: bool = False,
+                          prompt_source: RoutingTrace | None = None) -> list[StepLoads]:
     """A benchmark's requests in order (prompt ``prompts[i]`` tokens, then ``n_decoded[i]`` decode tokens of the
     trace's request i, as far as it has them), the cache carried from one to the next and empty at the start: the
     loads per ubatch of each prompt. What ``llamapack bench`` measures, where ``prefill_loads`` is a prompt after
-    one of the same length. ``preloaded``: the tier filled at load."""
-    inclusion = shape_counts(shape.n_moe_layers, shape.n_experts, shape.top_k).inclusion()
+    one of the same length. ``preloaded``: the tier filled at load. ``prompt_source``: prompt i takes request
+    i's prefill rows (``prompt_trace``); None: independent draws (the fallback)."""
     rng = np.random.default_rng(seed)
     bounds, decode_steps = trace.request_bounds(), trace.steps()
     steps, tokens, owner = [], [], []  # owner: the request whose prefill a step is (-1: decode)
     for i, (n_prompt, n_dec) in enumerate(zip(prompts, n_decoded)):
-        prompt = ubatch_steps(inclusion, n_prompt, n_ubatch, rng)
+        prompt = _prompt(shape, prompt_source, i, n_prompt, n_ubatch, rng)
         steps += prompt
         tokens += [min(n_prompt, n_ubatch)] * len(prompt)
         owner += [i] * len(prompt)

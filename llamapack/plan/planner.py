@@ -92,7 +92,8 @@ def make_plan(model: str, pack: str | None = None, *, n_ctx: int = 4096, reprobe
         recommend.recommend(shape, report.machine, n_ctx)  # refuse before the slow part
         step("routing model")
         trace = hits.decode_trace(shape, root / "plan")
-        predictions = recommend.plan(shape, report.machine, n_ctx, trace, step=step)
+        prompts = hits.prompt_trace(shape, root / "plan")
+        predictions = recommend.plan(shape, report.machine, n_ctx, trace, step=step, prompt_source=prompts)
     return Plan(shape, report, n_ctx, predictions)
 
 

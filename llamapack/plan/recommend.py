@@ -97,28 +97,34 @@ def alternatives(shape: ModelShape, chosen: Budgets) -> list[tuple[str, Budgets]
 
 def predict(shape: ModelShape, machine: Machine, label: str, budgets: Budgets, trace, n_ctx: int,
             costs: Costs = DEFAULT_COSTS, prefill_lengths=PREFILL_LENGTHS, policy=None,
-            prefill_loads: dict | None = None, tier_preloaded: bool = False) -> Prediction:
+            prefill_loads: dict | None = None, tier_preloaded: bool = False, prompt_source=None,
+            cold_lengths=()) -> Prediction:
     """Decode and prefill predictions for ``budgets`` (``trace``: ``hits.decode_trace(shape)``), prefill at each of
     ``prefill_lengths`` tokens (the second of two such prompts, unless ``prefill_loads`` gives a length's loads per
     ubatch); ``policy``: the pool's and tier's policy class (None: the default policy); ``tier_preloaded``: the
-    tier filled at load (``--ram-preload``; the plan's own tier starts cold)."""
+    tier filled at load (``--ram-preload``; the plan's own tier starts cold); ``prompt_source``: the real prompt
+    rows of ``hits.prompt_trace(shape)`` (None: tokens drawn independently, an upper bound); ``cold_lengths``: the
+    prompt lengths whose ``prefill_loads`` are a process's first request (``Costs.cold_read_factor``)."""
     per_token = hits.decode_loads(trace, budgets.pool_slots, budgets.tier_blocks, policy=policy,
                                   preloaded=tier_preloaded)
     native = budgets.native_hot_path
     prefill = {}
     for n_tokens in prefill_lengths:
         per_ubatch = (prefill_loads or {}).get(n_tokens) or hits.prefill_loads(
-            shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks, policy=policy)
-        prefill[n_tokens] = prefill_time(shape, machine, n_tokens, budgets.n_ubatch, per_ubatch, costs, native)
+            shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks, policy=policy,
+            prompt_source=prompt_source)
+        prefill[n_tokens] = prefill_time(shape, machine, n_tokens, budgets.n_ubatch, per_ubatch, costs, native,
+                                         cold=n_tokens in cold_lengths)
     return Prediction(label, budgets, decode_time(shape, machine, per_token, costs, native), per_token, prefill,
                       memory_use(shape, budgets, n_ctx), shape.block_bytes)
 
 
 def plan(shape: ModelShape, machine: Machine, n_ctx: int, trace, costs: Costs = DEFAULT_COSTS,
-         step: Callable[[str], None] = lambda label: None) -> list[Prediction]:
-    """Predictions of the recommendation (first) and its alternatives; ``step(label)`` before each."""
+         step: Callable[[str], None] = lambda label: None, prompt_source=None) -> list[Prediction]:
+    """Predictions of the recommendation (first) and its alternatives; ``step(label)`` before each;
+    ``prompt_source``: ``hits.prompt_trace(shape)`` (None: prompt tokens drawn independently)."""
     out = []
     for label, budgets in alternatives(shape, recommend(shape, machine, n_ctx)):
         step(label)
-        out.append(predict(shape, machine, label, budgets, trace, n_ctx, costs))
+        out.append(predict(shape, machine, label, budgets, trace, n_ctx, costs, prompt_source=prompt_source))
     return out
