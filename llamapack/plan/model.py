@@ -14,7 +14,10 @@ Nothing overlaps: reads are demand reads, the layer waits for them (``Costs.io_o
 
 Prefill of P tokens in ubatches of U: ceil(P / U) ubatches; in each, every MoE layer's distinct experts of the
 ubatch are made resident once (one cache step per layer and ubatch), so
-    t = compute(P, U) + ubatches * (n_moe_layers * hook + Python's steps and loads) + reads + copies.
+    t = compute(P, U) + ubatches * (n_moe_layers * hook + Python's steps and loads) + reads + copies,
+a Python load in a prefill step costing ``python_prefill_load_s`` (its steps batch tens of misses), a RAM-tier hit
+``prefill_ram_hit_s`` beyond its copy (GPU pool), and a process's first request's reads ``cold_read_factor`` times
+the probed time (``cold``).
 
 Compute is vanilla llama.cpp's time for the model (every expert resident). On a GPU it is scaled from the
 measured reference model (``Costs``) by the bytes a token reads (non-expert weights + top-k experts per MoE
@@ -63,6 +66,27 @@ class Costs:
     # (1.99, 6.30 ms per token), less python_step_s x their provider_calls per token (21.0, 45.3), over their
     # misses per token (28.5, 120.1): 44.1 and 39.3 us; the mean. (The pyhot RAM-tier runs give 48 and 82 us.)
     python_load_s: float = 41.7e-6
+    # per pool miss the Python provider loads in a prefill step (tens of misses per step, one cache step per layer
+    # and ubatch): the +pyhot RAM-tier runs against their native twins (gpu_hotpath_q30b.json, the same loads),
+    # prefill time difference less python_step_s x 48 steps, over the prefill's misses: 6.1, 9.7 (pack-25%+ram
+    # +preload, 512 then 32 tokens), 6.7, 8.0 us (pack-50%+ram+preload); the mean. Held out: granite's pair gives
+    # 8.7 and 7.4 us. (python_load_s, fitted on decode steps of one or two misses each, is ~5x this.)
+    python_prefill_load_s: float = 7.6e-6
+    # the SSD reads of a process's first request (the pool empty, the provider just loaded) take this times the
+    # probed per-block time (cause not identified: not slot first use, pack-12.5% is as slow per read as pack-100%):
+    # (prefill_s - vanilla's prefill) / SSD reads over 2.53 MiB at the probed 2.29 GB/s, first requests of
+    # gpu_hotpath_q30b.json (pack-100%, +pyhot: 512 tokens, 1.68, 1.71) and gpu_ssd_policy_warm_q30b.json (the
+    # four non-warm 32-token first requests: 1.77, 1.83, 1.76, 1.81); the mean. A later request's reads run at the
+    # probed rate (those runs' 512-token second requests: 1.02-1.10 with Python). Held out: granite's first
+    # requests give 2.0-2.1. Only the bench comparison's first request uses it (the plan's own prefill is warm).
+    cold_read_factor: float = 1.76
+    # per RAM-tier hit in a prefill step on a GPU pool, beyond its copy at the probed H2D rate (the tier hit's
+    # handling: slot, copy issue and wait): the native RAM-tier runs of gpu_hotpath_q30b.json (pack-25% and
+    # pack-50%+ram+preload, 512 and 32 tokens: every prefill miss a tier hit), (prefill_s - vanilla's prefill -
+    # 48 hooks) summed over their tier hits summed: 803.7 ms / 10863 = 74.0 us, less 2.53 MiB at 55.29 GB/s (48.0
+    # us). Held out: granite's pair gives 74 and 67 us per hit against 83 predicted. In decode this cost is inside
+    # gpu_hook_s_per_layer (fitted on the same runs' decode with their copies at the probed rate).
+    prefill_ram_hit_s: float = 26.0e-6
     # provider callback on the host (no device sync): 27.2 us per acquire (provider_overhead_h200_cpu.json); a host
     # pool's every step, Python or native (not measured with the native path)
     host_hook_s_per_layer: float = 27.17e-6
@@ -257,13 +281,14 @@ def python_work(loads: StepLoads, n_steps: int, native_hot_path: bool) -> tuple[
 
 
 def step_costs(shape: ModelShape, machine: Machine, loads: StepLoads, costs: Costs,
-               native_hot_path: bool) -> tuple[float, float]:
-    """(hook, Python) seconds of one token's or ubatch's ``n_moe_layers`` cache steps with ``loads``."""
+               native_hot_path: bool, prefill: bool = False) -> tuple[float, float]:
+    """(hook, Python) seconds of one token's or (``prefill``) ubatch's ``n_moe_layers`` cache steps with ``loads``."""
     n = shape.n_moe_layers
     if not machine.gpu:
         return n * costs.host_hook_s_per_layer, 0.0
     steps, misses = python_work(loads, n, native_hot_path)
-    return n * costs.gpu_hook_s_per_layer, steps * costs.python_step_s + misses * costs.python_load_s
+    load_s = costs.python_prefill_load_s if prefill else costs.python_load_s
+    return n * costs.gpu_hook_s_per_layer, steps * costs.python_step_s + misses * load_s
 
 
 def decode_time(shape: ModelShape, machine: Machine, per_token: StepLoads, costs: Costs = DEFAULT_COSTS,
@@ -277,12 +302,15 @@ def decode_time(shape: ModelShape, machine: Machine, per_token: StepLoads, costs
 
 
 def prefill_time(shape: ModelShape, machine: Machine, n_tokens: int, n_ubatch: int, per_ubatch: StepLoads,
-                 costs: Costs = DEFAULT_COSTS, native_hot_path: bool = True) -> TimeSplit:
-    """Seconds to prefill ``n_tokens`` (module docstring); ``per_ubatch``: the loads of one ubatch, all layers."""
+                 costs: Costs = DEFAULT_COSTS, native_hot_path: bool = True, cold: bool = False) -> TimeSplit:
+    """Seconds to prefill ``n_tokens`` (module docstring); ``per_ubatch``: the loads of one ubatch, all layers;
+    ``cold``: the first request of a process (its SSD reads cost ``Costs.cold_read_factor`` times more)."""
     n_ubatches = math.ceil(n_tokens / n_ubatch)
     compute = prefill_compute_s(shape, machine, n_tokens, n_ubatch, costs)
-    hook, python = step_costs(shape, machine, per_ubatch, costs, native_hot_path)
+    hook, python = step_costs(shape, machine, per_ubatch, costs, native_hot_path, prefill=True)
     ssd, ram = load_seconds(per_ubatch, shape, machine)
+    ssd *= costs.cold_read_factor if cold else 1.0
+    ram += per_ubatch.ram_hits * costs.prefill_ram_hit_s if machine.gpu else 0.0
     hook, python, ssd, ram = hook * n_ubatches, python * n_ubatches, ssd * n_ubatches, ram * n_ubatches
     overlap = costs.io_overlap * min(ssd + ram, compute + hook)
     return TimeSplit(compute, hook, ssd, ram, overlap, python)
