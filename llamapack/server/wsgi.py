@@ -33,7 +33,10 @@ class Server:
 
     def close(self) -> None:
         """Close every socket on the event-loop thread itself (its loop then ends), then stop the workers."""
-        self._server.trigger.pull_trigger(lambda: close_all(self._server._map))
+        try:
+            self._server.trigger.pull_trigger(lambda: close_all(self._server._map))
+        except OSError:  # the trigger's pipe is already closed (the loop has ended): close from here
+            close_all(self._server._map)
         self._server.task_dispatcher.shutdown()
 
 
