@@ -77,6 +77,7 @@ class Llama(llama_cpp.Llama):
                  native_reads: bool | None = DEFAULTS.native_reads, warm_start: bool | None = None,
                  warm_start_dir: str | os.PathLike | None = DEFAULTS.warm_start_dir,
                  cache_policy: str = DEFAULTS.cache_policy, native_hot_path: bool = DEFAULTS.native_hot_path,
+                 hybrid: str | float = DEFAULTS.hybrid, hybrid_threads: int | None = DEFAULTS.hybrid_threads,
                  **kwargs):
         self._provider = None
         self.pack_settings = resolve_settings(
@@ -89,7 +90,10 @@ class Llama(llama_cpp.Llama):
             prefetch_in_flight=prefetch_in_flight, native_reads=native_reads,
             warm_start=default_warm_start() if warm_start is None else warm_start,
             warm_start_dir=None if warm_start_dir is None else os.fspath(warm_start_dir), cache_policy=cache_policy,
-            native_hot_path=native_hot_path)
+            native_hot_path=native_hot_path, hybrid=hybrid, hybrid_threads=hybrid_threads)
+        if self.pack_settings is not None and self.pack_settings.streaming.hybrid != "off" and kwargs.get("lora_path"):
+            raise ValueError("hybrid does not apply LoRA adapters to the rows it computes on the CPU: "
+                             "pass hybrid='off' with lora_path")
         if self.pack_settings is None or kwargs.get("vocab_only"):
             super().__init__(model_path, *args, **kwargs)  # vocab_only: no weights, no experts to serve
             return

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 5
+EXPECTED_API_VERSION = 6
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -199,7 +199,33 @@ def fast_path_counts(ctx) -> dict:
     lib().llama_expert_fast_path_stats_get(ctx, out)
     return dict(acquires=out.steps, native_steps=out.steps, tokens=out.tokens, cache_hits=out.cache_hits,
                 cache_misses=out.cache_misses, cache_evictions=out.cache_evictions, ram_hits=out.ram_hits,
-                h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s)
+                h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s,
+                cpu_experts=out.cpu_experts, cpu_s=out.cpu_s)
+
+
+def set_hybrid(ctx, upload_share: float, n_threads: int, max_tokens: int, block_offsets) -> object:
+    """Turn hybrid execution on (``llama_expert_hybrid_desc``; the fast path with a RAM tier must be set):
+    ``block_offsets`` per expert tensor (expert_tensors order), its role's offset in a RAM block. Graphs built
+    from now on split; returns what must stay alive while it is on."""
+    offsets = ffi.new("uint64_t[]", list(block_offsets) or [0])
+    desc = ffi.new("struct llama_expert_hybrid_desc *", {
+        "upload_share": upload_share, "n_threads": n_threads, "max_tokens": max_tokens,
+        "tensor_block_offsets": offsets})
+    if lib().llama_expert_hybrid_set(ctx, desc) != 0:
+        raise NativeError(last_error(ctx))
+    return offsets, desc
+
+
+def clear_hybrid(ctx) -> None:
+    lib().llama_expert_hybrid_set(ctx, ffi.NULL)
+
+
+def hybrid_probe(ctx, layer: int, block: int, n_reps: int = 20) -> float:
+    """Seconds to compute one token's row of ``layer``'s expert in RAM block ``block`` on the CPU (mean)."""
+    seconds = lib().llama_expert_hybrid_probe(ctx, layer, block, n_reps)
+    if seconds < 0:
+        raise NativeError(last_error(ctx))
+    return seconds
 
 
 def set_bench_replay(ctx, prompt_rows, decode_rows, n_prompt: int) -> None:

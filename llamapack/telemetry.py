@@ -55,6 +55,8 @@ class ProviderCounters:
     prefetch_wasted_bytes: int = 0  # ... and their bytes (also in pack_read_bytes)
     prefetch_cancelled: int = 0  # lookahead reads the layer did not ask for, cancelled before any piece ran
     native_steps: int = 0  # acquires served inside libllama (native hot path: no Python), counted in acquires too
+    cpu_experts: int = 0   # hybrid: slot-pool misses computed on the CPU from their RAM block (in ram_hits too)
+    cpu_s: float = 0.0     # hybrid: seconds computing them (the copies of the step's other misses overlap it)
 
     @property
     def lookups(self) -> int:

@@ -110,10 +110,21 @@ struct llama_expert_fast_path_stats {
     uint64_t h2d_bytes;
     double   seconds;
     double   copy_s;
+    int64_t  cpu_experts;
+    double   cpu_s;
 };
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);
 int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
+
+struct llama_expert_hybrid_desc {
+    double           upload_share;
+    int32_t          n_threads;
+    int32_t          max_tokens;
+    const uint64_t * tensor_block_offsets;
+};
+int32_t llama_expert_hybrid_set(struct llama_context * ctx, const struct llama_expert_hybrid_desc * desc);
+double  llama_expert_hybrid_probe(struct llama_context * ctx, int32_t layer, int32_t block, int32_t n_reps);
 
 int32_t llama_expert_bench_replay_set(struct llama_context * ctx, const int32_t * prompt_rows, int32_t n_prompt_rows,
         const int32_t * decode_rows, int32_t n_decode_rows, int32_t n_prompt, int32_t n_layers, int32_t top_k);

@@ -6,6 +6,7 @@
 #include "llama-expert-fast.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 static double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
@@ -61,9 +62,12 @@ bool llama_expert_fast_path::set_block(int32_t block, void * addr) {
 
 llama_expert_fast_path::result llama_expert_fast_path::serve(
         int32_t layer, int32_t n_expert, const int32_t * ids, int32_t n_used, int32_t n_tokens, int32_t * slots,
-        std::string & error) {
+        std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error) {
     const auto started = std::chrono::steady_clock::now();
     const int32_t n_ids = n_used * n_tokens;
+    if (copies_pending && !finish_copies(error)) { // the last step's op did not wait for them (it always should)
+        return FAILED;
+    }
 
     // the step's distinct keys in first-seen order (the policy's order too)
     if ((int32_t) position.size() < n_expert) {
@@ -98,18 +102,41 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         }
     }
 
+    // hybrid: past the upload share, the misses stay in RAM and their rows run on the CPU
+    on_cpu.assign(n_keys, 0);
+    int32_t n_cpu = 0;
+    if (cpu_rows != nullptr && upload_share >= 0.0 && n_missing > 0) {
+        const int32_t n_upload = (int32_t) std::floor(n_missing * upload_share + 0.5);
+        for (int32_t k = 0, seen = 0; k < n_keys; ++k) {
+            if (llama_expert_policy_slot_of(pool, layer, keys[2*k + 1]) < 0 && seen++ >= n_upload) {
+                on_cpu[k] = 1;
+                n_cpu++;
+            }
+        }
+    }
+    pool_keys.clear();
+    for (int32_t k = 0; k < n_keys; ++k) {
+        if (!on_cpu[k]) {
+            pool_keys.push_back(layer);
+            pool_keys.push_back(keys[2*k + 1]);
+        }
+    }
+    const int32_t n_pool_keys = (int32_t) pool_keys.size() / 2;
+
     out_keys.resize(2 * n_keys); out_slots.resize(n_keys); hits.resize(n_keys);
     evicted_keys.resize(2 * n_keys); evicted_slots.resize(n_keys);
     int32_t n_evicted = 0;
     const int32_t n_tokens_policy = n_tokens > 0 ? n_tokens : 1;
-    if (llama_expert_policy_acquire(pool, keys.data(), n_keys, n_tokens_policy, out_keys.data(), out_slots.data(),
-                                    hits.data(), evicted_keys.data(), evicted_slots.data(), &n_evicted) != n_keys) {
+    if (n_pool_keys > 0 &&
+            llama_expert_policy_acquire(pool, pool_keys.data(), n_pool_keys, n_tokens_policy, out_keys.data(),
+                                        out_slots.data(), hits.data(), evicted_keys.data(), evicted_slots.data(),
+                                        &n_evicted) != n_pool_keys) {
         forget_positions();
         return DECLINED; // more keys than slots: the provider raises the capacity error
     }
 
     load_keys.clear(); load_slots.clear();
-    for (int32_t k = 0; k < n_keys; ++k) {
+    for (int32_t k = 0; k < n_pool_keys; ++k) {
         if (!hits[k]) {
             load_keys.push_back(out_keys[2*k]);
             load_keys.push_back(out_keys[2*k + 1]);
@@ -117,41 +144,125 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         }
     }
     const int32_t n_loads = (int32_t) load_slots.size();
-    if (n_loads != n_missing) {
-        error = "layer " + std::to_string(layer) + ": the pool's policy planned " + std::to_string(n_loads) +
-                " loads for " + std::to_string(n_missing) + " experts it did not hold";
-        for (int32_t i = 0; i < n_loads; ++i) {
-            llama_expert_policy_abandon(pool, load_keys[2*i], load_keys[2*i + 1]);
+    key_slot.assign(n_keys, 0); // a CPU row's slot: any valid one, its GPU result is not used
+    for (int32_t k = 0, p = 0; k < n_keys; ++k) {
+        if (!on_cpu[k]) {
+            key_slot[k] = out_slots[p++];
         }
+    }
+    if (n_loads != n_missing - n_cpu) {
+        error = "layer " + std::to_string(layer) + ": the pool's policy planned " + std::to_string(n_loads) +
+                " loads for " + std::to_string(n_missing - n_cpu) + " experts it did not hold";
+        abandon_loads();
         forget_positions();
         return FAILED;
     }
-    if (n_loads > 0 && copy_loads(layer, n_tokens_policy, error) != SERVED) {
+    if (n_cpu > 0 && !cpu_blocks(layer, n_keys, n_tokens_policy, *cpu_rows, ids, n_ids, n_used, error)) {
+        abandon_loads();
+        forget_positions();
+        return FAILED;
+    }
+    if (n_loads > 0 && copy_loads(layer, n_tokens_policy, /*wait =*/ n_cpu == 0, error) != SERVED) {
         forget_positions();
         return FAILED;
     }
 
     for (int32_t i = 0; i < n_ids; ++i) {
-        slots[i] = out_slots[position[ids[i]]];
+        slots[i] = key_slot[position[ids[i]]];
     }
     forget_positions();
     counts.steps++;
     counts.tokens          += layer == first_layer ? n_tokens : 0;
-    counts.cache_hits      += n_keys - n_loads;
-    counts.cache_misses    += n_loads;
+    counts.cache_hits      += n_pool_keys - n_loads;
+    counts.cache_misses    += n_loads + n_cpu;
     counts.cache_evictions += n_evicted;
-    counts.ram_hits        += n_loads;
+    counts.ram_hits        += n_loads + n_cpu;
+    counts.cpu_experts     += n_cpu;
     counts.seconds         += seconds_between(started, std::chrono::steady_clock::now());
     return SERVED;
 }
 
-// every load is a RAM hit (checked by serve): the tier's acquire, then the copies block -> slot
-llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer, int32_t n_tokens, std::string & error) {
+// the CPU keys' RAM blocks (the tier's acquire marks them used, as a copy's would), one row per id
+bool llama_expert_fast_path::cpu_blocks(int32_t layer, int32_t n_keys, int32_t n_tokens,
+                                        std::vector<llama_expert_cpu_row> & rows, const int32_t * ids, int32_t n_ids,
+                                        int32_t n_used, std::string & error) {
+    cpu_keys.clear();
+    for (int32_t k = 0; k < n_keys; ++k) {
+        if (on_cpu[k]) {
+            cpu_keys.push_back(layer);
+            cpu_keys.push_back(keys[2*k + 1]);
+        }
+    }
+    const int32_t n_cpu = (int32_t) cpu_keys.size() / 2;
+    std::vector<int32_t> & block_of = cpu_key_blocks;
+    block_of.assign(n_cpu, -1);
+    if (tier_holds_every_key) {
+        for (int32_t i = 0; i < n_cpu; ++i) {
+            block_of[i] = llama_expert_policy_slot_of(tier, layer, cpu_keys[2*i + 1]);
+        }
+    } else {
+        std::vector<int32_t> out(2 * n_cpu), evicted(2 * n_cpu), evicted_at(n_cpu);
+        std::vector<uint8_t> hit(n_cpu);
+        int32_t n_evicted = 0;
+        if (llama_expert_policy_acquire(tier, cpu_keys.data(), n_cpu, n_tokens, out.data(), block_of.data(), hit.data(),
+                                        evicted.data(), evicted_at.data(), &n_evicted) != n_cpu || n_evicted != 0) {
+            error = "layer " + std::to_string(layer) + ": the RAM tier's policy did not keep the experts it held";
+            return false;
+        }
+    }
+    key_block.assign(n_keys, -1);
+    for (int32_t k = 0, i = 0; k < n_keys; ++k) {
+        if (on_cpu[k]) {
+            const int32_t block = block_of[i++];
+            if (block < 0 || block >= (int32_t) blocks.size()) {
+                error = "layer " + std::to_string(layer) + ": expert " + std::to_string(keys[2*k + 1]) + " has RAM block " +
+                        std::to_string(block) + " outside the tier";
+                return false;
+            }
+            key_block[k] = block;
+        }
+    }
+    rows.clear();
+    for (int32_t i = 0; i < n_ids; ++i) {
+        const int32_t k = position[ids[i]];
+        if (on_cpu[k]) {
+            rows.push_back({ i, i / n_used, blocks[key_block[k]] });
+        }
+    }
+    return true;
+}
+
+void llama_expert_fast_path::abandon_loads() {
+    for (size_t i = 0; i + 1 < load_keys.size(); i += 2) {
+        llama_expert_policy_abandon(pool, load_keys[i], load_keys[i + 1]); // its slot holds no expert
+    }
+}
+
+bool llama_expert_fast_path::finish_copies(std::string & error) {
+    if (!copies_pending) {
+        return true;
+    }
+    copies_pending = false;
+    const auto started = std::chrono::steady_clock::now();
+    const int32_t rc = sync(stream);
+    counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
+    if (rc != 0) {
+        for (size_t i = 0; i + 1 < pending_loads.size(); i += 2) {
+            llama_expert_policy_abandon(pool, pending_loads[i], pending_loads[i + 1]);
+        }
+        error = "waiting for the copies from RAM to the GPU failed (CUDA error " + std::to_string(rc) + ")";
+        return false;
+    }
+    return true;
+}
+
+// every load is a RAM hit (checked by serve): the tier's acquire, then the copies block -> slot; wait: false
+// leaves them running on the stream (finish_copies)
+llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer, int32_t n_tokens, bool wait,
+                                                                  std::string & error) {
     const int32_t n_loads = (int32_t) load_slots.size();
     auto fail = [&](const std::string & why) {
-        for (int32_t i = 0; i < n_loads; ++i) {
-            llama_expert_policy_abandon(pool, load_keys[2*i], load_keys[2*i + 1]); // its slot holds no expert
-        }
+        abandon_loads();
         error = "layer " + std::to_string(layer) + ": " + why;
         return FAILED;
     };
@@ -191,11 +302,14 @@ llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer,
             }
         }
     }
+    counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
     if (sync != nullptr) {
-        if (const int32_t rc = sync(stream); rc != 0) {
-            return fail("waiting for the copies from RAM to the GPU failed (CUDA error " + std::to_string(rc) + ")");
+        copies_pending = true;
+        pending_loads = load_keys;
+        if (wait && !finish_copies(error)) {
+            error = "layer " + std::to_string(layer) + ": " + error;
+            return FAILED;
         }
     }
-    counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
     return SERVED;
 }

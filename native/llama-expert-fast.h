@@ -6,6 +6,7 @@
 #pragma once
 
 #include "llama-expert.h"
+#include "llama-expert-hybrid.h"
 
 #include <cstdint>
 #include <memory>
@@ -21,18 +22,38 @@ public:
     static std::unique_ptr<llama_expert_fast_path> create(
             const llama_expert_fast_path_desc & desc, char * pool_base, std::string & error);
 
-    // ids: [n_tokens][n_used], each in [0, n_expert); slots written only when SERVED
+    // ids: [n_tokens][n_used], each in [0, n_expert); slots written only when SERVED.
+    // cpu_rows (hybrid, non-null when this step's graph can compute rows on the CPU): with an upload share
+    // set, the pool misses in RAM blocks beyond that share are not loaded; their rows are listed here (their
+    // slot: 0, computed but not used) and the copies of the others are left running (finish_copies()).
     result serve(int32_t layer, int32_t n_expert, const int32_t * ids, int32_t n_used, int32_t n_tokens,
-                 int32_t * slots, std::string & error);
+                 int32_t * slots, std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error);
+
+    // wait for copies serve() left running; false with error set when they failed
+    bool finish_copies(std::string & error);
 
     bool set_block(int32_t block, void * addr);
+
+    // hybrid: the share of a step's RAM-tier misses that are still loaded into the pool (0: none, all
+    // computed on the CPU); < 0: hybrid off
+    void set_upload_share(double share) { upload_share = share; }
+    double get_upload_share() const { return upload_share; }
+    bool has_tier() const { return tier != nullptr; }
+    const char * block_address(int32_t block) const {
+        return block >= 0 && block < (int32_t) blocks.size() ? blocks[block] : nullptr;
+    }
+
+    llama_expert_fast_path_stats & stats_mut() { return counts; }
 
     const llama_expert_fast_path_stats & stats() const { return counts; }
 
 private:
     llama_expert_fast_path() = default;
 
-    result copy_loads(int32_t layer, int32_t n_tokens, std::string & error);
+    result copy_loads(int32_t layer, int32_t n_tokens, bool wait, std::string & error);
+    void   abandon_loads();
+    bool   cpu_blocks(int32_t layer, int32_t n_keys, int32_t n_tokens, std::vector<llama_expert_cpu_row> & rows,
+                      const int32_t * ids, int32_t n_ids, int32_t n_used, std::string & error);
 
     llama_expert_policy * pool = nullptr;
     llama_expert_policy * tier = nullptr;
@@ -44,6 +65,9 @@ private:
     llama_expert_h2d_fn   h2d = nullptr;
     llama_expert_sync_fn  sync = nullptr;
     void *                stream = nullptr;
+    double                upload_share = -1.0;
+    bool                  copies_pending = false;
+    std::vector<int32_t>  pending_loads;  // keys [n][2] whose copies are still running
 
     llama_expert_fast_path_stats counts = {};
 
@@ -52,4 +76,6 @@ private:
     std::vector<int32_t> keys;      // distinct keys [n][2] in first-seen order
     std::vector<int32_t> out_keys, out_slots, evicted_keys, evicted_slots, load_keys, load_slots, load_blocks;
     std::vector<uint8_t> hits;
+    std::vector<uint8_t> on_cpu;           // per distinct key: computed on the CPU this step (hybrid)
+    std::vector<int32_t> pool_keys, key_slot, key_block, cpu_keys, cpu_key_blocks;
 };

@@ -37,12 +37,22 @@ uint64_t llama_expert_hook_generation(const llama_expert_hook * hook);
 struct llama_expert_remap {
     llama_expert_hook * hook = nullptr;
     ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
+    // hybrid (llama_expert_hybrid_set): rows computed on the CPU [n_embd, n_expert_used, n_tokens], and per row
+    // where merge takes it from (k: the CPU's, n_expert_used + k: the pool's)
+    ggml_tensor       * cpu_rows = nullptr;
+    ggml_tensor       * pick     = nullptr;
 };
 
-// ffn_input [n_embd, n_tokens]: the router's input, used only for the lookahead's guesses at later layers
+// ffn_input [n_embd, n_tokens]: the FFN input (the lookahead's guesses, and hybrid's CPU rows). ffn_op,
+// weight_before_ffn and expert_extras (biases, scales; null when absent) say whether hybrid may split the layer.
 llama_expert_remap llama_expert_remap_build(
         llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * ffn_input,
-        std::initializer_list<ggml_tensor *> expert_weights);
+        std::initializer_list<ggml_tensor *> expert_weights, int ffn_op, bool weight_before_ffn,
+        std::initializer_list<ggml_tensor *> expert_extras);
 
 // point a freshly built mul_mat_id node at the pool tensor and the slot ids (no-op for an empty remap)
 void llama_expert_remap_apply(const llama_expert_remap * remap, ggml_tensor * mul_mat_id);
+
+// hybrid: the down projection's rows [n_embd, n_expert_used, n_tokens], each from the CPU or the pool as the
+// remap op chose (returns experts unchanged when the layer is not split)
+ggml_tensor * llama_expert_remap_merge(const llama_expert_remap * remap, ggml_context * ctx, ggml_tensor * experts);

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <climits>
 #include <chrono>
 #include <cstdio>
@@ -107,6 +108,12 @@ struct llama_expert_hook {
     // native hot path (optional): steps needing no SSD read are served without the provider
     std::unique_ptr<llama_expert_fast_path> fast;
     std::unique_ptr<llama_expert_bench_replay> replay;
+
+    // hybrid (optional): rows of the steps the fast path serves may run on the CPU (llama_expert_hybrid_set)
+    std::unique_ptr<llama_expert_cpu_experts>           cpu;
+    std::unordered_map<int32_t, llama_expert_cpu_layer> cpu_layers;
+    int32_t                                             hybrid_max_tokens = 0;
+    std::vector<llama_expert_cpu_row>                   cpu_rows; // the current step's, remap op -> CPU op
 
     std::vector<int32_t> scratch_ids;
     std::vector<int32_t> scratch_slots;
@@ -276,10 +283,15 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int32_t n_used   = (int32_t) sel->ne[0];
     const int32_t n_tokens = (int32_t) sel->ne[1];
     const size_t  n        = (size_t) n_used * n_tokens;
-    int32_t * out = (int32_t *) dst->data; // contiguous [n_used, n_tokens]
+    int32_t * out = (int32_t *) dst->data; // contiguous [n_used, n_tokens] slot ids, then (split) as many picks
+    const bool split = dst->ne[2] == 2;     // hybrid: this graph computes rows on the CPU too
 
     // fail closed: after a failure every later layer gets slot 0 and the abort callback stops compute
     std::fill(out, out + n, 0);
+    for (size_t i = 0; split && i < n; ++i) {
+        out[n + i] = n_used + (int32_t) (i % n_used); // the pool's row
+    }
+    hook->cpu_rows.clear();
     if (hook->failed.load()) {
         return;
     }
@@ -306,7 +318,8 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
     int32_t rc = 0;
     const auto fast_result = hook->fast ? hook->fast->serve(b->layer, b->n_expert, hook->scratch_ids.data(), n_used,
-                                                           n_tokens, hook->scratch_slots.data(), fast_error(hook))
+                                                           n_tokens, hook->scratch_slots.data(),
+                                                           split && hook->cpu ? &hook->cpu_rows : nullptr, fast_error(hook))
                                         : llama_expert_fast_path::DECLINED;
     if (fast_result == llama_expert_fast_path::FAILED) {
         hook->set_error(hook->fast_error);
@@ -337,6 +350,9 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         out[i] = s;
     }
+    for (const auto & row : hook->cpu_rows) {
+        out[n + row.row] = row.row % n_used; // the CPU's row
+    }
 
     // lookahead: src[1 + d] is the top-k of the router of b->ahead[d] applied to this layer's FFN input
     for (int32_t d = 0; hook->prefetch != nullptr && d < GGML_MAX_SRC - 1 && dst->src[1 + d] != nullptr; ++d) {
@@ -355,9 +371,60 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
+// CPU custom op (hybrid): the rows the remap op left in RAM, computed on the CPU; then the wait for the
+// copies the remap op left running (they overlap the CPU's work). Runs right after the remap op.
+static void cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto * b    = (llama_expert_layer_binding *) userdata;
+    auto * hook = b->hook;
+    std::string error;
+    if (!hook->failed.load() && !hook->cpu_rows.empty()) {
+        const ggml_tensor * input = dst->src[1]; // [n_embd, n_tokens] F32
+        const auto started = std::chrono::steady_clock::now();
+        const bool ok = hook->cpu->compute(hook->cpu_layers.at(b->layer), (const char *) input->data, input->nb[1],
+                                           input->ne[0], hook->cpu_rows, (float *) dst->data, error);
+        hook->fast->stats_mut().cpu_s += seconds_since(started);
+        if (!ok) {
+            hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
+            hook->failed = true;
+        }
+    }
+    if (hook->fast && !hook->fast->finish_copies(error)) {
+        hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
+        hook->failed = true;
+    }
+}
+
+// hybrid: the GLU the CPU applies for this layer, -1 when it cannot be split (see llama_expert_hybrid_desc)
+static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_binding * binding, const ggml_tensor * selected,
+                         const ggml_tensor * ffn_input, int ffn_op, bool weight_before_ffn,
+                         std::initializer_list<ggml_tensor *> expert_extras) {
+    if (!hook->cpu || selected->ne[1] > hook->hybrid_max_tokens || weight_before_ffn || ffn_input == nullptr ||
+            ffn_input->type != GGML_TYPE_F32 || ffn_input->nb[0] != sizeof(float) || ffn_input->ne[1] != selected->ne[1]) {
+        return -1;
+    }
+    for (const ggml_tensor * extra : expert_extras) {
+        if (extra != nullptr) {
+            return -1;
+        }
+    }
+    auto it = hook->cpu_layers.find(binding->layer);
+    if (it == hook->cpu_layers.end() || it->second.gate.type < 0 || it->second.up.type < 0 || it->second.down.type < 0) {
+        return -1;
+    }
+    if (ffn_op == LLM_FFN_SILU) {
+        return hook->model->hparams.swiglu_clamp_exp[binding->layer] > 1e-6f ? -1 : GGML_GLU_OP_SWIGLU;
+    }
+    return ffn_op == LLM_FFN_GELU ? GGML_GLU_OP_GEGLU : -1;
+}
+
 llama_expert_remap llama_expert_remap_build(
         llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * ffn_input,
-        std::initializer_list<ggml_tensor *> expert_weights) {
+        std::initializer_list<ggml_tensor *> expert_weights, int ffn_op, bool weight_before_ffn,
+        std::initializer_list<ggml_tensor *> expert_extras) {
     llama_expert_remap remap;
     if (hook == nullptr || !hook->ready()) {
         return remap;
@@ -390,11 +457,31 @@ llama_expert_remap llama_expert_remap_build(
             n_args++;
         }
     }
+    const int32_t glu = split_glu(hook, binding, selected_experts, ffn_input, ffn_op, weight_before_ffn, expert_extras);
+    const int64_t n_used = selected_experts->ne[0], n_tokens = selected_experts->ne[1];
     remap.hook = hook;
-    remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1, 1,
-                                args, n_args, remap_op, 1, binding);
+    remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, glu >= 0 ? 2 : 1, 1, args, n_args, remap_op, 1, binding);
     ggml_format_name(remap.ids, "llamapack_slot_ids-%d", binding->layer);
+    if (glu >= 0) {
+        hook->cpu_layers.at(binding->layer).glu = glu;
+        ggml_tensor * both = remap.ids;
+        remap.ids  = ggml_view_2d(ctx, both, n_used, n_tokens, both->nb[1], 0);
+        remap.pick = ggml_view_2d(ctx, both, n_used, n_tokens, both->nb[1], both->nb[2]);
+        ggml_tensor * srcs[2] = { both, ffn_input };
+        remap.cpu_rows = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn_input->ne[0], n_used, n_tokens, 1, srcs, 2, cpu_rows_op, 1, binding);
+        ggml_format_name(remap.cpu_rows, "llamapack_cpu_rows-%d", binding->layer);
+    }
     return remap;
+}
+
+ggml_tensor * llama_expert_remap_merge(const llama_expert_remap * remap, ggml_context * ctx, ggml_tensor * experts) {
+    if (remap == nullptr || remap->cpu_rows == nullptr) {
+        return experts;
+    }
+    // the CPU's rows first, so that the graph computes them (right after the remap op, in its CPU split)
+    // before the pool's matmuls: [n_embd, 2 n_used, n_tokens], then row pick[k, t] of each token's slice
+    ggml_tensor * both = ggml_concat(ctx, remap->cpu_rows, experts, 1);
+    return ggml_get_rows(ctx, both, remap->pick);
 }
 
 void llama_expert_remap_apply(const llama_expert_remap * remap, ggml_tensor * mul_mat_id) {
@@ -666,6 +753,94 @@ int32_t llama_expert_fast_path_stats_get(const llama_context * ctx, llama_expert
     const llama_expert_hook * hook = ctx->expert_hook.get();
     *out = hook && hook->fast ? hook->fast->stats() : llama_expert_fast_path_stats{};
     return 0;
+}
+
+int32_t llama_expert_hybrid_set(llama_context * ctx, const llama_expert_hybrid_desc * desc) {
+    llama_expert_hook * hook = hook_of(ctx);
+    hook->generation++; // the graph gains or loses the CPU ops
+    llama_expert_access::need_reserve(*ctx);
+    if (desc == nullptr) {
+        hook->cpu.reset();
+        hook->cpu_layers.clear();
+        if (hook->fast) {
+            hook->fast->set_upload_share(-1.0);
+        }
+        return 0;
+    }
+    if (!hook->fast || !hook->fast->has_tier() || hook->model == nullptr) {
+        hook->set_error("hybrid: needs the native hot path with a RAM tier");
+        return -1;
+    }
+    if (!(desc->upload_share >= 0.0 && desc->upload_share <= 1.0) || desc->max_tokens < 1 || desc->n_threads < 1 ||
+            desc->tensor_block_offsets == nullptr) {
+        hook->set_error("hybrid: upload_share must be in [0, 1], max_tokens and n_threads at least 1, with block offsets");
+        return -1;
+    }
+    const auto & info = *hook->model->expert_info;
+    std::unordered_map<int32_t, llama_expert_cpu_layer> layers;
+    std::vector<int32_t> merged; // layers with a fused gate_up matrix: not split
+    for (size_t i = 0; i < info.tensors.size(); ++i) {
+        const auto & t = info.tensors[i];
+        if (hook->binding_of.count(info.weights[i]) == 0) {
+            continue; // not served by the pool
+        }
+        llama_expert_cpu_role role;
+        role.type = t.type;
+        role.ne0 = t.ne[0];
+        role.ne1 = t.ne[1];
+        role.block_offset = desc->tensor_block_offsets[i];
+        auto & layer = layers[t.layer];
+        switch (t.role) {
+            case LLAMA_EXPERT_ROLE_GATE: layer.gate = role; break;
+            case LLAMA_EXPERT_ROLE_UP:   layer.up   = role; break;
+            case LLAMA_EXPERT_ROLE_DOWN: layer.down = role; break;
+            default:                     merged.push_back(t.layer); break;
+        }
+    }
+    for (int32_t layer : merged) {
+        layers.erase(layer);
+    }
+    std::string error;
+    auto cpu = llama_expert_cpu_experts::create(desc->n_threads, error);
+    if (!cpu) {
+        hook->set_error(error);
+        return -1;
+    }
+    hook->cpu = std::move(cpu);
+    hook->cpu_layers = std::move(layers);
+    hook->hybrid_max_tokens = desc->max_tokens;
+    hook->fast->set_upload_share(desc->upload_share);
+    return 0;
+}
+
+double llama_expert_hybrid_probe(llama_context * ctx, int32_t layer, int32_t block, int32_t n_reps) {
+    llama_expert_hook * hook = hook_of(ctx);
+    auto it = hook->cpu ? hook->cpu_layers.find(layer) : hook->cpu_layers.end();
+    const char * addr = hook->fast ? hook->fast->block_address(block) : nullptr;
+    if (it == hook->cpu_layers.end() || addr == nullptr || n_reps < 1) {
+        hook->set_error("hybrid probe: hybrid is off, layer " + std::to_string(layer) + " is not split, or block " +
+                        std::to_string(block) + " is not in the tier");
+        return -1.0;
+    }
+    llama_expert_cpu_layer shape = it->second;
+    if (shape.glu < 0) {
+        shape.glu = GGML_GLU_OP_SWIGLU; // timing only: before the first graph is built
+    }
+    const int64_t n_embd = shape.up.ne0;
+    std::vector<float> input(n_embd, 0.0f), out(n_embd);
+    std::vector<llama_expert_cpu_row> rows;
+    std::string error;
+    double total = 0.0;
+    for (int32_t rep = 0; rep <= n_reps; ++rep) {
+        rows.assign(1, { 0, 0, addr });
+        const auto started = std::chrono::steady_clock::now();
+        if (!hook->cpu->compute(shape, (const char *) input.data(), n_embd * sizeof(float), n_embd, rows, out.data(), error)) {
+            hook->set_error("hybrid probe: " + error);
+            return -1.0;
+        }
+        total += rep > 0 ? seconds_since(started) : 0.0; // the first run warms the threads
+    }
+    return total / n_reps;
 }
 
 int32_t llama_expert_bench_replay_set(llama_context * ctx, const int32_t * prompt_rows, int32_t n_prompt_rows,

@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 5
+#define LLAMA_EXPERT_API_VERSION 6
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -214,6 +214,8 @@ struct llama_expert_fast_path_stats {
     uint64_t h2d_bytes;   // 0 for a host pool
     double   seconds;     // wall time serving them (copies included)
     double   copy_s;      // issuing the copies and waiting for them
+    int64_t  cpu_experts; // hybrid: (step, expert) pairs computed on the CPU from RAM blocks (counted in ram_hits)
+    double   cpu_s;       // hybrid: wall time computing them
 };
 
 // desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).
@@ -221,6 +223,27 @@ LLAMA_EXPERT_API int32_t llama_expert_fast_path_set(struct llama_context * ctx, 
 // a RAM block's memory was replaced (after an abandoned read): copies come from addr from now on
 LLAMA_EXPERT_API int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 LLAMA_EXPERT_API int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
+
+// ---- Hybrid execution (native/llama-expert-hybrid.cpp) ----------------------------------------------------
+// With the native hot path set with a RAM tier, a step it serves may leave some of its pool misses in their
+// RAM blocks and compute those (token, expert) rows on the CPU with ggml's CPU kernels (mul_mat_id gate and
+// up, the layer's GLU, mul_mat_id down: the ops --cpu-moe runs on the CPU) while the other rows run on the
+// pool as before; the graph then picks each row from its side before the weighted sum, in the model's order.
+// Of a step's misses in RAM, the first round(n * upload_share) (first-seen order) are still copied into the
+// pool; the copies run while the CPU computes. Only ubatches of at most max_tokens tokens, and layers whose
+// experts have gate, up and down matrices with a plain SiLU or GELU GLU (no biases, scales, clamps, or
+// weights applied before the FFN) are split; every other step runs on the GPU as without hybrid.
+struct llama_expert_hybrid_desc {
+    double           upload_share;         // in [0, 1]
+    int32_t          n_threads;            // CPU threads computing experts (a pool of their own)
+    int32_t          max_tokens;           // larger ubatches keep every expert on the GPU
+    const uint64_t * tensor_block_offsets; // per expert tensor (llama_model_expert_tensor_get's index): its offset in a RAM block
+};
+// desc NULL: off. Needs the fast path with a RAM tier; graphs built from now on carry the CPU op.
+LLAMA_EXPERT_API int32_t llama_expert_hybrid_set(struct llama_context * ctx, const struct llama_expert_hybrid_desc * desc);
+// Time computing one token's row of `layer`'s expert held in RAM block `block` on the CPU, mean of n_reps
+// runs after one warm-up (seconds); -1 with llama_expert_last_error set when hybrid is off or the layer cannot run.
+LLAMA_EXPERT_API double  llama_expert_hybrid_probe(struct llama_context * ctx, int32_t layer, int32_t block, int32_t n_reps);
 
 // ---- Routing replay (benchmarks only) -------------------------------------------------------------------
 // While set, the remap op replaces the router's ids by a recorded trace's before anything sees them (fast path

@@ -41,7 +41,9 @@ NATIVE_FILES = [("llama-expert.h", "include/llama-expert.h"),
                 ("llama-expert-policy.h", "src/llama-expert-policy.h"),
                 ("llama-expert-policy.cpp", "src/llama-expert-policy.cpp"),
                 ("llama-expert-fast.h", "src/llama-expert-fast.h"),
-                ("llama-expert-fast.cpp", "src/llama-expert-fast.cpp")]
+                ("llama-expert-fast.cpp", "src/llama-expert-fast.cpp"),
+                ("llama-expert-hybrid.h", "src/llama-expert-hybrid.h"),
+                ("llama-expert-hybrid.cpp", "src/llama-expert-hybrid.cpp")]
 # dropped from a trimmed tree: not needed to build libllama/libggml for CPU or CUDA
 TRIM = ["vendor/llama.cpp/models", "vendor/llama.cpp/docs", "vendor/llama.cpp/media", "vendor/llama.cpp/tests",
         "vendor/llama.cpp/examples", "vendor/llama.cpp/gguf-py", "vendor/llama.cpp/benches",

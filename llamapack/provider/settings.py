@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..cache_policy import policy_class
 from ..errors import CapacityError
 from ..native import MAX_LOOKAHEAD
+from .hybrid import parse_mode
 
 MIB = 1 << 20
 
@@ -50,6 +51,12 @@ class StreamingSettings:
     policies live in libllama and a step whose experts are all in the pool, or whose misses are all in the RAM
     tier, is served there (slot ids, the tier's copies, the counters) without entering Python; False: every
     step goes through the Python provider and its Python policy (the reference, and the "before" of the bench).
+    ``hybrid`` (see provider.hybrid): ``"on"``, ``"auto"`` or an upload share: the native hot path leaves
+    (some of) a step's misses in their RAM blocks and computes their rows on the CPU with llama.cpp's CPU
+    kernels, ``hybrid_threads`` threads (None: all cores but one); needs the native hot path and a RAM tier.
+    Not bit-exact with all-GPU compute in general (rows computed on the CPU round as --cpu-moe's do); with
+    every expert in the pool it is, and with every miss on the CPU it matches --cpu-moe. ``"off"``: all on
+    the GPU (the default).
     """
 
     cache_vram_mib: float | None = None
@@ -74,10 +81,13 @@ class StreamingSettings:
     warm_start_dir: str | None = None
     cache_policy: str = "next-use"
     native_hot_path: bool = True
+    hybrid: str | float = "off"
+    hybrid_threads: int | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "hybrid", parse_mode(self.hybrid))  # ValueError for a bad mode
         for name in ("stage_slots", "read_splits", "stats_flush_interval", "n_slots", "prefetch_slots", "prefetch_top",
-                     "prefetch_in_flight"):
+                     "prefetch_in_flight", "hybrid_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         policy_class(self.cache_policy)  # ValueError for an unknown name

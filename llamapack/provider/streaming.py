@@ -45,16 +45,18 @@ its buffer with the RAM block (no copy): lookahead changes where bytes are read,
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
 import numpy as np
 
 from .. import native
-from ..errors import PackIOError
+from ..errors import InputError, PackIOError
 from ..cache_policy import SlotAssignment, policy_class
 from ..policy_native import NativeNextUsePolicy
 from ..telemetry import CounterAccumulator, StatsFlusher
+from . import hybrid as hybrid_policy
 from .copies import CudaCopier, HostCopier, import_cupy
 from .host_tier import AUTO, HostTier, TierPlan, preload_keys, spare_ram_bytes, tier_blocks
 from .prefetch import PrefetchBook, PrefetchEntry
@@ -156,6 +158,9 @@ class StreamingProvider:
             native.set_provider(ctx_ptr, self._callback)
             if self._native_hot:
                 self._start_fast_path()
+            self.hybrid: dict | None = None  # hybrid execution's split and the costs it came from, once on
+            if settings.hybrid != "off":
+                self._start_hybrid()
             if self.book is not None:
                 self._lookahead_callback = ffi.callback(
                     "void(void *, int32_t, const int32_t *, int32_t, int32_t)", self._on_lookahead)
@@ -184,6 +189,45 @@ class StreamingProvider:
             block_addrs=[self._copier.buffers[block].ctypes.data for block in range(tier.n_blocks)] if tier else [],
             copy_spans=spans if tier else [], first_layer=self._first_layer, h2d=h2d, sync=sync, stream=stream)
         self.counters.external = self._fast_path_counts
+        self._fast_has_tier = tier is not None
+
+    def _start_hybrid(self) -> None:
+        """Hybrid execution (StreamingSettings.hybrid, see provider.hybrid): the fast path leaves a share of each
+        step's RAM-tier misses in their blocks and libllama computes their rows on the CPU. ``auto`` measures
+        the two per-expert costs first (one token's row on the CPU; one block's copy into the pool)."""
+        mode = self.settings.hybrid
+        if not (self._native_hot and getattr(self, "_fast_has_tier", False)):
+            raise InputError("hybrid needs a RAM tier (ram_cache_mib) and the native hot path (the next-use policy, "
+                             "no lookahead, native_hot_path on)")
+        role_offsets = {(entry.layer, role.role): role.offset for entry in self._reader.layout.layers
+                        for role in entry.roles}
+        offsets = [role_offsets[(tensor.layer, tensor.role)] for tensor in self.tensors]
+        threads = self.settings.hybrid_threads or hybrid_policy.default_threads(os.cpu_count())
+        cpu_s = copy_s = None
+        if mode == "auto":
+            self._hybrid_arrays = native.set_hybrid(self._ctx, 0.0, threads, hybrid_policy.MAX_TOKENS, offsets)
+            cpu_s, copy_s = self._hybrid_costs()
+        share = hybrid_policy.share_for(mode, cpu_s, copy_s)
+        self._hybrid_arrays = native.set_hybrid(self._ctx, share, threads, hybrid_policy.MAX_TOKENS, offsets)
+        self.hybrid = dict(mode=mode, upload_share=share, threads=threads, cpu_s_per_expert=cpu_s,
+                           copy_s_per_expert=copy_s)
+        log.info("hybrid %s: %.3g of each step's RAM misses copied to the pool, the rest computed on %d CPU threads%s",
+                 mode, share, threads, "" if cpu_s is None else
+                 f" (measured per expert: CPU {cpu_s * 1e6:.0f} us, copy {copy_s * 1e6:.0f} us)")
+
+    def _hybrid_costs(self, reps: int = 10) -> tuple[float, float]:
+        """Per expert of the first served layer: seconds to compute one token's row on the CPU, and to copy its
+        block into a pool slot (RAM block 0 into slot 0, before anything is loaded: the pool holds nothing yet)."""
+        layer = self._first_layer
+        cpu_s = native.hybrid_probe(self._ctx, layer, 0, reps)
+        segments = [(region, offset, nbytes) for region, _, offset, nbytes in self._copy_spans[layer]]
+        self._copier.copy(0, segments)  # warm-up
+        self._copier.synchronize()
+        started = time.perf_counter()
+        for _ in range(reps):
+            self._copier.copy(0, segments)
+            self._copier.synchronize()
+        return cpu_s, (time.perf_counter() - started) / reps
 
     def _fast_path_counts(self) -> dict:
         if self._ctx is not None:  # after close: the last counts read
@@ -531,7 +575,7 @@ class StreamingProvider:
 
     def stats(self) -> dict:
         """The counters (telemetry.ProviderCounters, with hit rate and bytes per token), the pool's size and the
-        RAM tier's (``ram_slots``: its blocks, 0 without a tier)."""
+        RAM tier's (``ram_slots``: its blocks, 0 without a tier), and hybrid execution's split (None: off)."""
         return dict(self.counters.snapshot().as_dict(), n_slots=self.n_slots, slot_bytes=self.layout.slot_bytes,
                     pool_bytes=self.layout.pool_bytes, device=self.device,
                     ram_slots=self.tier.n_blocks if self.tier else 0,
@@ -539,7 +583,7 @@ class StreamingProvider:
                     prefetch_top=self.settings.prefetch_top,
                     prefetch_depth=self.settings.prefetch_depth if self.book is not None else 0,
                     prefetch_in_flight=self._prefetch_threads,
-                    read_engine="native" if self.native_reads else "python",
+                    read_engine="native" if self.native_reads else "python", hybrid=self.hybrid,
                     **(native.hook_stats(self._ctx) if self._ctx is not None else {}))
 
     def close(self) -> None:
