@@ -31,6 +31,8 @@
 #   plan's predictions for every llamapack run of $OUT/bench-TAG/bench.json against what it measured, with the
 #   plan's probes measured on this machine (REPROBE=1: again) -> plan_vs_measured.md/.json beside bench.json;
 #   PLAN=1 with bench does the same right after the bench (PLAN_COSTS=<file.json>: other plan.model.Costs)
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh hybrid", ...)  # #25: the replay
+#   stage's builds and model with hybrid's CUDA exactness endpoints (cuda_hybrid.md); then bench with +hybrid configs
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -146,6 +148,16 @@ replay)  # #22: build (patched + vanilla CUDA, then upstream llama.cpp b11549 fr
     # #24: the native hot path's RAM-tier copies (cuMemcpyHtoDAsync on the provider's stream)
     [ -n "${SKIP_BITEXACT:-}" ] || bitexact cuda_bitexact_hotpath_ramtier.json --archs qwen3moe-tiny gpt-oss-tiny mixtral-tiny --ram-cache-mib 24
     wait; tail -2 "$out/granite.log"; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
+    ;;
+hybrid)  # #25: build (patched + vanilla CUDA, and upstream b11549 unless SKIP_UPSTREAM=1), hybrid's exactness
+        # endpoints against vanilla all-GPU and --cpu-moe (bench/cuda_hybrid.py), the Qwen3-30B-shaped model and pack
+    start_model "${SKEW:-0}"
+    [ -n "${SKIP_UPSTREAM:-}" ] || (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} bash bench/upstream_build.sh \
+        > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
+    build_cuda
+    python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_hybrid.json" ${HYBRID_THREADS:+--threads $HYBRID_THREADS} 2>&1 | tail -3
+    wait; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \

@@ -56,6 +56,13 @@ def resolve_settings(model_path: str, pack, gguf_direct: bool, cache_slots: int 
     return PackSettings(source=str(source), streaming=settings)
 
 
+def default_hybrid_threads(n_threads: int | None) -> int:
+    """The cores llama.cpp's own threads leave (they spin at barriers while the CPU rows compute), at least one;
+    ``n_threads`` None is llama_cpp.Llama's default (half the cores)."""
+    cores = os.cpu_count() or 2
+    return max(1, cores - (n_threads or max(cores // 2, 1)))
+
+
 class Llama(llama_cpp.Llama):
     """``llama_cpp.Llama`` plus: ``pack`` / ``gguf_direct`` (where experts come from), ``cache_slots`` /
     ``cache_mib`` (older names of ``n_slots`` / ``cache_vram_mib``) and the StreamingSettings fields.
@@ -80,6 +87,8 @@ class Llama(llama_cpp.Llama):
                  hybrid: str | float = DEFAULTS.hybrid, hybrid_threads: int | None = DEFAULTS.hybrid_threads,
                  **kwargs):
         self._provider = None
+        if hybrid_threads is None and str(hybrid).lower() != "off":
+            hybrid_threads = default_hybrid_threads(kwargs.get("n_threads"))
         self.pack_settings = resolve_settings(
             model_path, pack, gguf_direct, cache_slots=cache_slots, cache_mib=cache_mib, direct_io=direct_io,
             verify_pack_sha256=verify_pack_sha256, cache_vram_mib=cache_vram_mib,

@@ -45,6 +45,11 @@ def load(spec: dict):
     gpu_build = llama_cpp.llama_supports_gpu_offload()
     overrides = {} if gpu_build and spec.get("n_gpu_layers", 0) else {"use_extra_bufts": spec.get("repack", False)}
     with model_params_override(**overrides):
+        if spec["mode"] == "vanilla" and spec.get("cpu_moe"):  # --cpu-moe (with --no-repack unless repack)
+            from llamapack.compat import cpu_moe
+
+            with cpu_moe(use_extra_bufts=spec.get("repack", False)):
+                return llama_cpp.Llama(**kwargs), None
         if spec["mode"] == "vanilla":
             return llama_cpp.Llama(**kwargs), None
         from llamapack import native

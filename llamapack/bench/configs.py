@@ -36,8 +36,9 @@ class BenchConfig:
     starts from the popularity a priming session saved (``+warm``, pack runs only): before the measured process,
     the runner runs a priming process with the same settings on trace requests the measured prompts do not
     replay, which saves the popularity at close into a temporary folder; the measured process loads it and
-    fills the pool (and tier) at load. Other runs start cold. ``reference``: the run other runs' logits are
-    compared with."""
+    fills the pool (and tier) at load. Other runs start cold. ``hybrid``: hybrid execution (``+hybrid``: "on",
+    every RAM-tier miss of a native step computed on the CPU; ``+hybridauto``; ``+hybridU%``: that upload share),
+    llamapack runs with a RAM tier only. ``reference``: the run other runs' logits are compared with."""
 
     name: str
     source: str = VANILLA
@@ -62,8 +63,13 @@ class BenchConfig:
     cache_policy: str = "next-use"
     native_hot_path: bool = True
     warm_start: bool = False
+    hybrid: str | float = "off"
 
     def __post_init__(self):
+        if self.hybrid != "off" and (self.source == VANILLA or (self.ram_fraction is None and not self.ram_auto)
+                                     or not self.native_hot_path or self.prefetch):
+            raise ValueError(f"{self.name}: hybrid is a llamapack setting that needs a RAM tier (+ram...) and the "
+                             "native hot path (not +pyhot, not +prefetch)")
         if self.source not in (VANILLA, PACK, GGUF_DIRECT):
             raise ValueError(f"{self.name}: unknown source {self.source!r}")
         if (self.source == VANILLA) == (self.vram_fraction is not None):
@@ -180,9 +186,10 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
                 "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, +noverify, "
-                "+lfulru, +lru, +pyhot, +warm, then @NG or @NM")
+                "+lfulru, +lru, +pyhot, +warm, +hybrid, +hybridauto, +hybridU%, then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|warm)(?=\+|$)")
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|warm"
+                     r"|hybridauto|hybrid(?P<hshare>[\d.]+)%|hybrid)(?=\+|$)")
 
 
 def parse_config(name: str, n_cores: int) -> BenchConfig:
@@ -223,6 +230,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["native_hot_path"] = False
         elif option == "warm":
             fields["warm_start"] = True
+        elif option.startswith("hybrid"):
+            fields["hybrid"] = "auto" if option == "hybridauto" else float(match["hshare"]) / 100 if match["hshare"] else "on"
         elif option in ("lfulru", "lru"):
             fields["cache_policy"] = {"lfulru": "lfu-lru", "lru": "lru"}[option]
         elif option == "ram" or match["ram"]:

@@ -62,7 +62,7 @@ def load(spec: dict, config: BenchConfig):
     llm = Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=config.native_reads,
                 **warm, verify_pack_sha256=config.verify, cache_policy=config.cache_policy,
-                **hot_path_option(Llama, config), **extra, **params)
+                **hot_path_option(Llama, config), **hybrid_option(Llama, config), **extra, **params)
     served = getattr(getattr(llm._provider, "settings", None), "native_hot_path", True)
     if served != config.native_hot_path:
         llm.close()
@@ -81,6 +81,15 @@ def hot_path_option(llama_class, config: BenchConfig) -> dict:
         raise RuntimeError(f"{config.name}: +pyhot needs llamapack.Llama to take native_hot_path "
                            "(StreamingSettings has it; this Llama does not pass it on)")
     return {}
+
+
+def hybrid_option(llama_class, config: BenchConfig) -> dict:
+    """``hybrid`` for ``llamapack.Llama`` when the config asks for it (an error when this Llama lacks it)."""
+    if config.hybrid == "off":
+        return {}
+    if "hybrid" not in inspect.signature(llama_class.__init__).parameters:
+        raise RuntimeError(f"{config.name}: +hybrid needs llamapack.Llama to take hybrid")
+    return dict(hybrid=config.hybrid)
 
 
 def last_logits(llm) -> np.ndarray:
