@@ -126,13 +126,36 @@ class RamCacheMib(click.ParamType):
 RAM_CACHE_MIB = RamCacheMib()
 
 
+class HybridMode(click.ParamType):
+    """off, on, auto, or the share in [0, 1] of a step's RAM-tier misses still copied to the GPU."""
+
+    name = "off|on|auto|SHARE"
+
+    def convert(self, value, param, ctx):
+        from llamapack.provider.hybrid import parse_mode
+
+        try:
+            return parse_mode(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+HYBRID_MODE = HybridMode()
+HYBRID_HELP = ("Compute some expert-cache misses that are in the RAM tier on the CPU instead of copying them "
+               "(decode steps of up to 31 tokens; needs --ram-cache-mib). on: every such miss; auto: the share that "
+               "ends copies and CPU work together, measured at start; a number: the share still copied. Exact with "
+               "every row on the GPU or every row on the CPU; a mixed step's rows carry the CPU kernels' rounding "
+               "(README, Hybrid).")
+
+
 def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str | None, prefetch: bool,
                  ram_preload: bool = False, warm_start: bool | None = None, no_direct_io: bool = False,
-                 no_verify: bool = False) -> dict:
-    """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve), and
-    --ram-preload without --ram-cache-mib (no tier to fill)."""
+                 no_verify: bool = False, hybrid: str | float = "off", hybrid_threads: int | None = None) -> dict:
+    """The streaming-provider options given; refused without --pack or --gguf-direct (nothing to serve),
+    --ram-preload and --hybrid without --ram-cache-mib (no tier to fill, no RAM copy to compute from)."""
     flags = {"--ram-cache-mib": ram_cache_mib is not None, "--ram-preload": ram_preload, "--prefetch": prefetch,
-             "--no-direct-io": no_direct_io, "--no-verify": no_verify}
+             "--no-direct-io": no_direct_io, "--no-verify": no_verify, "--hybrid": hybrid != "off",
+             "--hybrid-threads": hybrid_threads is not None}
     given = [flag for flag, on in flags.items() if on]
     if given and pack is None and not gguf_direct:
         raise click.ClickException(f"{given[0]} needs --pack or --gguf-direct")
@@ -142,6 +165,12 @@ def pack_options(pack: str | None, gguf_direct: bool, ram_cache_mib: float | str
                if v is not None}
     if ram_preload and ram_cache_mib is None:
         raise click.ClickException("--ram-preload fills the RAM tier: give --ram-cache-mib (MiB or auto)")
+    if hybrid != "off":
+        if ram_cache_mib is None:
+            raise click.ClickException("--hybrid computes misses from the RAM tier: give --ram-cache-mib (MiB or auto)")
+        options.update(hybrid=hybrid, **({"hybrid_threads": hybrid_threads} if hybrid_threads is not None else {}))
+    elif hybrid_threads is not None:
+        raise click.ClickException("--hybrid-threads sizes hybrid's CPU pool: give --hybrid too")
     if warm_start is False and (pack is not None or gguf_direct):  # no pack: no expert cache to warm
         options["warm_start"] = False
     return options
@@ -198,6 +227,9 @@ def read_line(stream) -> str:
 @click.option("--no-warm-start", "warm_start", is_flag=True, flag_value=False, default=None,
               help="Start with an empty expert cache, and save no expert counts at exit (default: fill the cache "
                    "with the experts this pack used most last time, from ~/.cache/llamapack/warm).")
+@click.option("--hybrid", type=HYBRID_MODE, default="off", show_default=True, help=HYBRID_HELP)
+@click.option("--hybrid-threads", type=click.IntRange(min=1),
+              help="CPU threads for --hybrid's expert rows (default: the cores -t leaves free).")
 @click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
 @click.option("--no-verify", is_flag=True,
               help="Do not check each pack block's sha256 the first time it is read (on by default).")
@@ -208,8 +240,8 @@ def read_line(stream) -> str:
 def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max_tokens: int, temp: float,
         seed: int | None, ctx_size: int, threads: int | None, n_gpu_layers: int, ubatch_size: int | None,
         cache_slots: int | None, cache_vram_mib: float | None, ram_cache_mib: float | str | None,
-        ram_preload: bool, prefetch: bool, warm_start: bool | None, no_direct_io: bool, no_verify: bool, auto: bool,
-        chat: bool, stats_json: str | None) -> None:
+        ram_preload: bool, prefetch: bool, warm_start: bool | None, hybrid: str | float, hybrid_threads: int | None,
+        no_direct_io: bool, no_verify: bool, auto: bool, chat: bool, stats_json: str | None) -> None:
     """Generate text with MODEL.gguf, streaming it; then print speed and expert-cache numbers."""
     from llamapack.run import Runner, open_model
 
@@ -223,7 +255,8 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
     params = dict(n_ctx=ctx_size, n_gpu_layers=n_gpu_layers, verbose=False)
     if threads is not None:
         params.update(n_threads=threads, n_threads_batch=threads)
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start, no_direct_io, no_verify))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start, no_direct_io, no_verify,
+                               hybrid, hybrid_threads))
     if ubatch_size is not None:
         params.update(n_ubatch=ubatch_size, n_batch=max(512, ubatch_size))
     if seed is not None:
@@ -280,6 +313,9 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 @click.option("--no-warm-start", "warm_start", is_flag=True, flag_value=False, default=None,
               help="Start with an empty expert cache, and save no expert counts at exit (default: fill the cache "
                    "with the experts this pack used most last time, from ~/.cache/llamapack/warm).")
+@click.option("--hybrid", type=HYBRID_MODE, default="off", show_default=True, help=HYBRID_HELP)
+@click.option("--hybrid-threads", type=click.IntRange(min=1),
+              help="CPU threads for --hybrid's expert rows (default: the cores -t leaves free).")
 @click.option("--no-direct-io", is_flag=True, help="Read experts through the page cache (filesystems without O_DIRECT).")
 @click.option("--no-verify", is_flag=True,
               help="Do not check each pack block's sha256 the first time it is read (on by default).")
@@ -288,7 +324,8 @@ def run(model: str, pack: str | None, gguf_direct: bool, prompt: str | None, max
 def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int, api_key: str | None,
           queue_size: int, embedding: bool, max_body_mib: float, ctx_size: int, threads: int | None, n_gpu_layers: int, cache_slots: int | None,
           ram_cache_mib: float | str | None, ram_preload: bool, prefetch: bool, no_direct_io: bool,
-          no_verify: bool, warm_start: bool | None, auto: bool) -> None:
+          no_verify: bool, warm_start: bool | None, hybrid: str | float, hybrid_threads: int | None,
+          auto: bool) -> None:
     """Serve MODEL.gguf over an OpenAI-compatible HTTP API (/v1/...), with /stats and a chat page at /."""
     from llamapack.run import open_model
     from llamapack.server import create_app
@@ -305,7 +342,8 @@ def serve(model: str, pack: str | None, gguf_direct: bool, host: str, port: int,
                               {"--cache-slots": cache_slots, "--ram-cache-mib": ram_cache_mib})
         cache_mib, ram_cache_mib = chosen["cache_vram_mib"], chosen["ram_cache_mib"]
         params.update(n_ubatch=chosen["n_ubatch"], n_batch=max(512, chosen["n_ubatch"]))
-    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start, no_direct_io, no_verify))
+    params.update(pack_options(pack, gguf_direct, ram_cache_mib, prefetch, ram_preload, warm_start, no_direct_io, no_verify,
+                               hybrid, hybrid_threads))
     with open_model(model, pack=True if pack == "" else pack, gguf_direct=gguf_direct, cache_slots=cache_slots,
                     cache_mib=cache_mib, **params) as llm:
         max_body_bytes = int(max_body_mib * (1 << 20))

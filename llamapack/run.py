@@ -76,6 +76,10 @@ class RunStats:
             rate = "n/a" if p["hit_rate"] is None else f"{100 * p['hit_rate']:.1f}%"
             lines.append(f"expert cache: hit rate {rate} ({p['cache_hits']} hits, "
                          f"{p['cache_misses']} misses, {p['cache_evictions']} evictions, {p['n_slots']} slots)")
+            if p.get("hybrid"):
+                h = p["hybrid"]
+                lines.append(f"hybrid {h['mode']}: {p.get('cpu_experts', 0)} expert rows on {h['threads']} CPU threads "
+                             f"({p.get('cpu_s', 0.0):.3f} s), upload share {h['upload_share']:g}")
         lines.append(f"expert bytes read per token: {self.read_bytes_per_token / (1 << 20):.3f} MiB "
                      f"({self.read_bytes} bytes for {self.n_prompt + self.n_decoded} tokens)")
         return lines

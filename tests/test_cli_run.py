@@ -246,3 +246,34 @@ def test_synth_is_registered(tmp_path):
     code, out, err = invoke("synth", "--list")
     assert code == 0, err
     assert "qwen3moe-tiny" in out
+
+
+def test_run_hybrid_writes_the_same_text_and_reports_the_cpu_rows(models, tmp_path):
+    """On a CPU build both of hybrid's paths are ggml's CPU kernels: the same tokens as without it."""
+    model, _ = models[0]
+    stats_path = tmp_path / "stats.json"
+    base = ["run", str(model), *GREEDY, "-ub", "1", "--pack", "--cache-slots", "4", "--ram-cache-mib", "64"]
+    code, plain, err = invoke(*base)
+    assert code == 0, err
+    code, out, err = invoke(*base, "--hybrid", "on", "--hybrid-threads", "2", "--stats-json", str(stats_path))
+    assert code == 0, err
+    assert out == plain
+    pack = json.loads(stats_path.read_text())["pack"]
+    assert pack["hybrid"]["mode"] == "on" and pack["hybrid"]["threads"] == 2 and pack["hybrid"]["upload_share"] == 0
+    assert pack["cpu_experts"] > 0
+    assert f"hybrid on: {pack['cpu_experts']} expert rows on 2 CPU threads" in err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--hybrid", "on"], "Error: --hybrid computes misses from the RAM tier: give --ram-cache-mib (MiB or auto)"),
+    (["--ram-cache-mib", "64", "--hybrid-threads", "2"], "Error: --hybrid-threads sizes hybrid's CPU pool: give --hybrid too"),
+])
+def test_hybrid_options_without_what_they_need_are_one_line_errors(models, args, expected):
+    code, out, err = invoke("run", str(models[0][0]), "--pack", *args, "-p", "x")
+    assert code == 1 and err.startswith(expected) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("value", ["sometimes", "1.5", "-0.1"])
+def test_a_bad_hybrid_mode_is_a_usage_error(models, value):
+    code, out, err = invoke("run", str(models[0][0]), "--pack", "--ram-cache-mib", "64", "--hybrid", value, "-p", "x")
+    assert code == 2 and "Invalid value for '--hybrid': " in err and "Traceback" not in out + err
