@@ -45,6 +45,7 @@ class RunSummary:
     first_request: dict | None = None        # n_prompt, ttft_s, prefill/decode/all hit rates of the first request
     load_read_bytes: float | None = None     # expert bytes read while loading (warm start, RAM preload)
     priming: dict | None = None              # +warm runs: the priming session (requests, tokens, seconds)
+    hybrid: dict | None = None               # hybrid runs: the split, the measured per-expert costs, CPU rows/token
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -138,7 +139,16 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         peak_mib=run.get("cgroup_peak_mib") or run.get("max_rss_mib"), lookahead=lookahead,
         round=run.get("round", 1), routing=routing, first_request=first_request(run) if requests else None,
         load_read_bytes=run["load_counters"].get("pack_read_bytes") if "load_counters" in run else None,
-        priming=priming_summary(run.get("priming")))
+        priming=priming_summary(run.get("priming")), hybrid=hybrid_summary(run, counters, decoded))
+
+
+def hybrid_summary(run: dict, counters: dict, decoded: int) -> dict | None:
+    """A hybrid run's split and the costs ``auto`` measured at start, with its decode CPU rows and seconds per token."""
+    split = (run.get("provider") or {}).get("hybrid")
+    if not split:
+        return None
+    per_token = {k: counters.get(k, 0) / decoded if decoded else None for k in ("cpu_experts", "cpu_s")}
+    return dict(split, cpu_rows_per_token=per_token["cpu_experts"], cpu_s_per_token=per_token["cpu_s"])
 
 
 def probe_bytes_per_s(probe: dict) -> float:
@@ -355,7 +365,7 @@ def markdown(results: dict) -> str:
                        if native_row and native_row.decode_tok_s and row.decode_tok_s else None)
             lines.append(f"| {row.name.replace('+pyreads', '')} | {_f(native_row.decode_tok_s if native_row else None)} "
                          f"| {_f(row.decode_tok_s)} | {_f(speedup)}x |")
-    lines += hot_path_lines(rows, by_name) + warm_start_lines(rows, by_name)
+    lines += hot_path_lines(rows, by_name) + warm_start_lines(rows, by_name) + hybrid_lines(rows)
     lines += ["", "## Where decode time went (ms per token)", "",
               "| run | waiting on reads | waiting on copies | rest of the provider | lookahead callback "
               "| entering the callbacks | outside the provider |",
@@ -419,6 +429,24 @@ def warm_start_lines(rows: list[RunSummary], by_name: dict) -> list[str]:
                 f"{_f(first.get('hit_rate'), '.1%')} | {_f(first.get('read_bytes'), '.0f', 1 / MIB)} | "
                 + (f"{prime['requests']:.0f}, {prime['decoded']:.0f}, {_f(prime.get('wall_s'), '.1f')} |" if prime
                    else "– |"))
+    return lines
+
+
+def hybrid_lines(rows: list[RunSummary]) -> list[str]:
+    """Hybrid runs: the upload share, the per-expert CPU and copy costs measured at start (``auto`` splits by
+    them), and the decode's CPU rows."""
+    hybrid = [row for row in rows if row.ok and row.hybrid]
+    if not hybrid:
+        return []
+    lines = ["", "## Hybrid: RAM-tier misses computed on the CPU (decode)", "",
+             "| run | mode | upload share | CPU threads | CPU us per expert row (probe) | copy us per expert (probe) "
+             "| CPU rows per token | CPU ms per token | hit rate |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in hybrid:
+        h = row.hybrid
+        lines.append(f"| {row.name} | {h.get('mode')} | {_f(h.get('upload_share'), '.3f')} | {h.get('threads')} | "
+                     f"{_f(h.get('cpu_s_per_expert'), '.1f', 1e6)} | {_f(h.get('copy_s_per_expert'), '.1f', 1e6)} | "
+                     f"{_f(h.get('cpu_rows_per_token'), '.1f')} | {_f(h.get('cpu_s_per_token'), '.2f', 1e3)} | "
+                     f"{_f(row.hit_rate, '.1%')} |")
     return lines
 
 

@@ -103,7 +103,8 @@ def provider_counters(llm) -> dict:
 COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_bytes", "h2d_bytes", "read_wait_s",
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
                   "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
-                  "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s")
+                  "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s",
+                  "cpu_experts", "cpu_s")
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -156,7 +157,7 @@ def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float, temp
 
 
 PROVIDER_FACTS = ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots", "prefetch_top",
-                  "prefetch_depth", "prefetch_in_flight", "read_engine")
+                  "prefetch_depth", "prefetch_in_flight", "read_engine", "hybrid")
 
 
 def provider_facts(llm, stats: dict) -> dict:
