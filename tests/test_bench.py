@@ -182,6 +182,21 @@ def test_hot_path_and_warm_start_tables():
     assert "| pack-50%@8G | not run (the cold twin) |" in markdown(results)
 
 
+def test_hybrid_table_reports_the_split_and_the_cpu_rows():
+    results = results_by_hand()
+    hybrid = dict(config=dict(name="pack-25%+ram+hybridauto"),
+                  provider=dict(hybrid=dict(mode="auto", upload_share=0.5, threads=15, cpu_s_per_expert=67e-6,
+                                            copy_s_per_expert=62e-6)),
+                  requests=[request(8, ["a", "b"], 4, 1.0, cache_hits=30, cache_misses=10, cpu_experts=6, cpu_s=0.002)])
+    results["runs"].append(hybrid)
+    rows = {row.name: row for row in summaries(results)}
+    assert rows["pack-25%+ram+hybridauto"].hybrid["cpu_rows_per_token"] == 1.5
+    assert rows["pack-25%@8G"].hybrid is None
+    section = markdown(results).split("## Hybrid: RAM-tier misses computed on the CPU")[1]
+    assert "| pack-25%+ram+hybridauto | auto | 0.500 | 15 | 67.0 | 62.0 | 1.5 | 0.50 | 75.0% |" in section
+    assert "pack-25%@8G" not in section.split("## ")[0]
+
+
 def test_schedule_runs_the_reference_once_and_shuffles_each_round():
     configs = [BenchConfig("ref", reference=True)] + [BenchConfig(f"c{i}") for i in range(8)]
     assert [(r, c.name) for r, c in schedule(configs[:3], 2)] == [(1, "ref"), (1, "c0"), (1, "c1"), (2, "c0"),

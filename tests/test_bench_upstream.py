@@ -225,7 +225,7 @@ def test_captured_replay_run_parses():
 
 
 def test_upstream_runs_include_its_cache_under_the_memory_limit(monkeypatch):
-    """RAM-rich -cmoe and cache runs at each fraction; with a limit, its cache at the smallest fraction under it
+    """All-VRAM (upstream's base), RAM-rich -cmoe and cache runs at each fraction; with a limit, its cache at the smallest fraction under it
     (mmapped experts), decoding fewer tokens within a shorter timeout, since such a run pages experts in."""
     import types
 
@@ -236,7 +236,7 @@ def test_upstream_runs_include_its_cache_under_the_memory_limit(monkeypatch):
     monkeypatch.setattr(llamapack.pack, "open_gguf", lambda path: types.SimpleNamespace(layout=layout))
     rich = upstream_configs("m.gguf", None, (0.25, 0.5))
     assert [(c.name, c.cache_mib, c.memory_limit_mib) for c in rich] == [
-        ("upstream-cmoe", 0, None), ("upstream-cache-25%", 250, None), ("upstream-cache-50%", 500, None)]
+        ("upstream-vram", 0, None), ("upstream-cmoe", 0, None), ("upstream-cache-25%", 250, None), ("upstream-cache-50%", 500, None)]
     limited = upstream_configs("m.gguf", None, (0.5, 0.25), memory_limit_mib=8192)[-1]
     assert (limited.name, limited.cache_mib, limited.load_mode, limited.memory_limit_mib, limited.n_decode) == (
         "upstream-cache-25%@8G", 250, "mmap", 8192, LIMITED_UPSTREAM_DECODE)

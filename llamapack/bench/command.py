@@ -30,7 +30,8 @@ def has_gpu() -> bool:
 
 
 def upstream_configs(model: str, pack: str | None, fractions, memory_limit_mib: int | None = None) -> tuple:
-    """Upstream's runs: -cmoe (experts in pinned RAM, CPU compute), then its VRAM cache at each pack fraction's
+    """Upstream's runs: every expert in VRAM (its base speed, to tell its llama.cpp's speed from its cache's),
+    -cmoe (experts in pinned RAM, CPU compute), then its VRAM cache at each pack fraction's
     VRAM (the pool's slots x the pack's block stride), same RAM-rich setting; with a memory limit, also its cache
     at the smallest fraction under that limit, experts mmapped (the SSD regime: misses page experts in and are
     computed on the CPU), decoding ``LIMITED_UPSTREAM_DECODE`` tokens per prompt within
@@ -41,7 +42,8 @@ def upstream_configs(model: str, pack: str | None, fractions, memory_limit_mib: 
     layout = open_gguf(model).layout
     threads = os.cpu_count() or 1
     cache_mib = {f: cache_mib_for_slots(max(1, round(f * layout.num_blocks)), layout.expert_stride) for f in fractions}
-    configs = [UpstreamConfig("upstream-cmoe", n_threads=threads)]
+    configs = [UpstreamConfig("upstream-vram", n_threads=threads, cpu_moe=False),
+               UpstreamConfig("upstream-cmoe", n_threads=threads)]
     configs += [UpstreamConfig(f"upstream-cache-{100 * f:g}%", n_threads=threads, cache_mib=cache_mib[f])
                 for f in fractions]
     if memory_limit_mib is not None and fractions:
