@@ -7,10 +7,12 @@ Per tiny arch whose layers hybrid splits, all layers offloaded (-ngl 99), pack m
 expert, hybrid on:
 - ``full``: a pool of every expert (filled by the first SSD reads): no row ever runs on the CPU, the graph
   still carries the CPU op and the merge -> must equal vanilla all-GPU bit for bit;
-- ``empty``: the tier preloaded and a small pool that hybrid never copies into: every decode row on the CPU
+- ``empty``: the tier preloaded and a small pool that hybrid never copies into (``hybrid_fill_pool`` off):
+  every decode row on the CPU
   -> must equal vanilla ``--cpu-moe`` (repack off) bit for bit (n_ubatch 1 and 7: a larger prompt ubatch
   runs on the pool, as --cpu-moe's op offload runs it on the GPU);
-- ``mixed``: a small pool, half of each step's RAM misses copied: rows split both ways -> twice, must be
+- ``mixed``: a small pool, half of each step's RAM misses copied before the GPU work and the CPU's half
+  copied behind the step (``hybrid_fill_pool``, the default): rows split both ways -> twice, must be
   identical (deterministic); its distance to vanilla all-GPU and to --cpu-moe is reported.
 Writes JSON and a markdown table; run by bench/device_bench.sh's hybrid stage.
 """
@@ -66,7 +68,7 @@ def cases(preset: str, n_ubatch: int, model: Path, libs: dict, tmp: Path, thread
     out.append(dict(preset=preset, n_ubatch=n_ubatch, case="full", reference="vanilla all-GPU", n_slots=every,
                     **distance(got, gpu), **stats))
     if n_ubatch < 32:
-        got, stats = run("empty", small, hybrid="on", ram_preload=True)
+        got, stats = run("empty", small, hybrid="on", ram_preload=True, hybrid_fill_pool=False)
         out.append(dict(preset=preset, n_ubatch=n_ubatch, case="empty", reference="vanilla --cpu-moe", n_slots=small,
                         **distance(got, cpu_moe), **stats))
     first, stats = run("mixed1", small, hybrid=0.5)

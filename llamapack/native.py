@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 6
+EXPECTED_API_VERSION = 7
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -203,14 +203,15 @@ def fast_path_counts(ctx) -> dict:
                 cpu_experts=out.cpu_experts, cpu_s=out.cpu_s)
 
 
-def set_hybrid(ctx, upload_share: float, n_threads: int, max_tokens: int, block_offsets) -> object:
+def set_hybrid(ctx, upload_share: float, n_threads: int, max_tokens: int, block_offsets, fill_pool: bool = True) -> object:
     """Turn hybrid execution on (``llama_expert_hybrid_desc``; the fast path with a RAM tier must be set):
-    ``block_offsets`` per expert tensor (expert_tensors order), its role's offset in a RAM block. Graphs built
-    from now on split; returns what must stay alive while it is on."""
+    ``block_offsets`` per expert tensor (expert_tensors order), its role's offset in a RAM block; ``fill_pool``:
+    the CPU's experts are still copied into the pool, behind the step. Graphs built from now on split; returns
+    what must stay alive while it is on."""
     offsets = ffi.new("uint64_t[]", list(block_offsets) or [0])
     desc = ffi.new("struct llama_expert_hybrid_desc *", {
         "upload_share": upload_share, "n_threads": n_threads, "max_tokens": max_tokens,
-        "tensor_block_offsets": offsets})
+        "tensor_block_offsets": offsets, "fill_pool": int(fill_pool)})
     if lib().llama_expert_hybrid_set(ctx, desc) != 0:
         raise NativeError(last_error(ctx))
     return offsets, desc

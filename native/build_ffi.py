@@ -122,6 +122,7 @@ struct llama_expert_hybrid_desc {
     int32_t          n_threads;
     int32_t          max_tokens;
     const uint64_t * tensor_block_offsets;
+    int32_t          fill_pool;
 };
 int32_t llama_expert_hybrid_set(struct llama_context * ctx, const struct llama_expert_hybrid_desc * desc);
 double  llama_expert_hybrid_probe(struct llama_context * ctx, int32_t layer, int32_t block, int32_t n_reps);

@@ -102,11 +102,13 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         }
     }
 
-    // hybrid: past the upload share, the misses stay in RAM and their rows run on the CPU
+    // hybrid: past the upload share, the misses stay in RAM and their rows run on the CPU; with fill_pool the
+    // pool's policy still sees every key (its plan is the one without hybrid) and those misses are copied
+    // into their slots after the CPU's work
     on_cpu.assign(n_keys, 0);
-    int32_t n_cpu = 0;
+    int32_t n_cpu = 0, n_upload = n_missing;
     if (cpu_rows != nullptr && upload_share >= 0.0 && n_missing > 0) {
-        const int32_t n_upload = (int32_t) std::floor(n_missing * upload_share + 0.5);
+        n_upload = (int32_t) std::floor(n_missing * upload_share + 0.5);
         for (int32_t k = 0, seen = 0; k < n_keys; ++k) {
             if (llama_expert_policy_slot_of(pool, layer, keys[2*k + 1]) < 0 && seen++ >= n_upload) {
                 on_cpu[k] = 1;
@@ -114,9 +116,10 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
             }
         }
     }
+    const bool behind = n_cpu > 0 && fill_pool;
     pool_keys.clear();
     for (int32_t k = 0; k < n_keys; ++k) {
-        if (!on_cpu[k]) {
+        if (!on_cpu[k] || behind) {
             pool_keys.push_back(layer);
             pool_keys.push_back(keys[2*k + 1]);
         }
@@ -144,27 +147,39 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         }
     }
     const int32_t n_loads = (int32_t) load_slots.size();
-    key_slot.assign(n_keys, 0); // a CPU row's slot: any valid one, its GPU result is not used
+    key_slot.assign(n_keys, 0); // a CPU row's slot: any valid one (with fill_pool its own), its GPU result is not used
     for (int32_t k = 0, p = 0; k < n_keys; ++k) {
-        if (!on_cpu[k]) {
+        if (!on_cpu[k] || behind) {
             key_slot[k] = out_slots[p++];
         }
     }
-    if (n_loads != n_missing - n_cpu) {
+    const int32_t n_to_load = behind ? n_missing : n_missing - n_cpu;
+    if (n_loads != n_to_load) {
         error = "layer " + std::to_string(layer) + ": the pool's policy planned " + std::to_string(n_loads) +
-                " loads for " + std::to_string(n_missing - n_cpu) + " experts it did not hold";
+                " loads for " + std::to_string(n_to_load) + " experts it did not hold";
         abandon_loads();
         forget_positions();
         return FAILED;
     }
-    if (n_cpu > 0 && !cpu_blocks(layer, n_keys, n_tokens_policy, *cpu_rows, ids, n_ids, n_used, error)) {
-        abandon_loads();
-        forget_positions();
-        return FAILED;
-    }
-    if (n_loads > 0 && copy_loads(layer, n_tokens_policy, /*wait =*/ n_cpu == 0, error) != SERVED) {
-        forget_positions();
-        return FAILED;
+    if (behind) {
+        // the loads are the misses in first-seen order: the first n_upload now, the CPU's after its work (or
+        // now too when the tier may rewrite a block before a late copy reads it); the CPU waits for them
+        const int32_t n_now = tier_holds_every_key ? n_upload : n_loads;
+        if (copy_loads(layer, n_tokens_policy, n_now, /*wait =*/ false, error) != SERVED ||
+                !rows_from_loads(layer, n_keys, n_upload, *cpu_rows, ids, n_ids, n_used, error)) {
+            forget_positions();
+            return FAILED;
+        }
+    } else {
+        if (n_cpu > 0 && !cpu_blocks(layer, n_keys, n_tokens_policy, *cpu_rows, ids, n_ids, n_used, error)) {
+            abandon_loads();
+            forget_positions();
+            return FAILED;
+        }
+        if (n_loads > 0 && copy_loads(layer, n_tokens_policy, n_loads, /*wait =*/ n_cpu == 0, error) != SERVED) {
+            forget_positions();
+            return FAILED;
+        }
     }
 
     for (int32_t i = 0; i < n_ids; ++i) {
@@ -173,10 +188,11 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
     forget_positions();
     counts.steps++;
     counts.tokens          += layer == first_layer ? n_tokens : 0;
+    const int32_t n_misses = behind ? n_loads : n_loads + n_cpu;
     counts.cache_hits      += n_pool_keys - n_loads;
-    counts.cache_misses    += n_loads + n_cpu;
+    counts.cache_misses    += n_misses;
     counts.cache_evictions += n_evicted;
-    counts.ram_hits        += n_loads + n_cpu;
+    counts.ram_hits        += n_misses;
     counts.cpu_experts     += n_cpu;
     counts.seconds         += seconds_between(started, std::chrono::steady_clock::now());
     return SERVED;
@@ -256,10 +272,10 @@ bool llama_expert_fast_path::finish_copies(std::string & error) {
     return true;
 }
 
-// every load is a RAM hit (checked by serve): the tier's acquire, then the copies block -> slot; wait: false
-// leaves them running on the stream (finish_copies)
-llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer, int32_t n_tokens, bool wait,
-                                                                  std::string & error) {
+// every load is a RAM hit (checked by serve): the tier's acquire, then the copies block -> slot of the first
+// n_now loads (the rest: start_copies_behind); wait: false leaves them running on the stream (finish_copies)
+llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer, int32_t n_tokens, int32_t n_now,
+                                                                  bool wait, std::string & error) {
     const int32_t n_loads = (int32_t) load_slots.size();
     auto fail = [&](const std::string & why) {
         abandon_loads();
@@ -280,29 +296,21 @@ llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer,
             return fail("the RAM tier's policy did not keep the experts it held");
         }
     }
-    const auto & spans = spans_of_layer.at(layer);
-    const auto started = std::chrono::steady_clock::now();
     for (int32_t i = 0; i < n_loads; ++i) {
-        const int32_t block = load_blocks[i];
-        if (block < 0 || block >= (int32_t) blocks.size()) {
-            return fail("expert " + std::to_string(load_keys[2*i + 1]) + " has RAM block " + std::to_string(block) +
+        if (load_blocks[i] < 0 || load_blocks[i] >= (int32_t) blocks.size()) {
+            return fail("expert " + std::to_string(load_keys[2*i + 1]) + " has RAM block " + std::to_string(load_blocks[i]) +
                         " outside the tier");
         }
-        for (const auto & span : spans) {
-            char * dst = pool_base + span.pool_offset + (uint64_t) load_slots[i] * span.slot_stride;
-            const char * src = blocks[block] + span.block_offset;
-            if (h2d == nullptr) {
-                memcpy(dst, src, span.nbytes);
-            } else if (const int32_t rc = h2d((uint64_t) (uintptr_t) dst, src, span.nbytes, stream); rc != 0) {
-                sync(stream);
-                return fail("copying expert " + std::to_string(load_keys[2*i + 1]) + " from RAM to the GPU failed (CUDA error " +
-                            std::to_string(rc) + ")");
-            } else {
-                counts.h2d_bytes += span.nbytes;
-            }
+    }
+    const auto started = std::chrono::steady_clock::now();
+    for (int32_t i = 0; i < n_now; ++i) {
+        if (!copy_load(i, error)) {
+            return fail(error);
         }
     }
     counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
+    behind_layer = n_now < n_loads ? layer : -1;
+    behind_from  = n_now;
     if (sync != nullptr) {
         copies_pending = true;
         pending_loads = load_keys;
@@ -312,4 +320,74 @@ llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer,
         }
     }
     return SERVED;
+}
+
+// load i's copy, role by role, from its RAM block to its slot (false with error set; the caller abandons)
+bool llama_expert_fast_path::copy_load(int32_t i, std::string & error) {
+    for (const auto & span : spans_of_layer.at(load_keys[2*i])) {
+        char * dst = pool_base + span.pool_offset + (uint64_t) load_slots[i] * span.slot_stride;
+        const char * src = blocks[load_blocks[i]] + span.block_offset;
+        if (h2d == nullptr) {
+            memcpy(dst, src, span.nbytes);
+        } else if (const int32_t rc = h2d((uint64_t) (uintptr_t) dst, src, span.nbytes, stream); rc != 0) {
+            sync(stream);
+            error = "copying expert " + std::to_string(load_keys[2*i + 1]) + " from RAM to the GPU failed (CUDA error " +
+                    std::to_string(rc) + ")";
+            return false;
+        } else {
+            counts.h2d_bytes += span.nbytes;
+        }
+    }
+    return true;
+}
+
+bool llama_expert_fast_path::start_copies_behind(std::string & error) {
+    if (behind_layer < 0) {
+        return true;
+    }
+    const int32_t layer = behind_layer;
+    behind_layer = -1;
+    const auto started = std::chrono::steady_clock::now();
+    for (int32_t i = behind_from; i < (int32_t) load_slots.size(); ++i) {
+        if (!copy_load(i, error)) {
+            abandon_loads();
+            copies_pending = false;
+            error = "layer " + std::to_string(layer) + ": " + error;
+            return false;
+        }
+    }
+    counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
+    copies_pending = sync != nullptr; // serve() waits for them before the next step
+    return true;
+}
+
+// hybrid with fill_pool: the CPU's rows are the loads from n_upload on (misses in first-seen order), from
+// the RAM blocks copy_loads found
+bool llama_expert_fast_path::rows_from_loads(int32_t layer, int32_t n_keys, int32_t n_upload,
+                                             std::vector<llama_expert_cpu_row> & rows, const int32_t * ids,
+                                             int32_t n_ids, int32_t n_used, std::string & error) {
+    key_block.assign(n_keys, -1);
+    for (int32_t k = 0, i = 0; k < n_keys; ++k) {
+        if (i < (int32_t) load_keys.size() / 2 && load_keys[2*i + 1] == keys[2*k + 1]) {
+            if (on_cpu[k] != (i >= n_upload)) {
+                error = "layer " + std::to_string(layer) + ": the pool's loads are not the step's misses in order";
+                abandon_loads();
+                return false;
+            }
+            key_block[k] = load_blocks[i++];
+        }
+    }
+    rows.clear();
+    for (int32_t i = 0; i < n_ids; ++i) {
+        const int32_t k = position[ids[i]];
+        if (on_cpu[k]) {
+            if (key_block[k] < 0) {
+                error = "layer " + std::to_string(layer) + ": expert " + std::to_string(ids[i]) + " has no RAM block";
+                abandon_loads();
+                return false;
+            }
+            rows.push_back({ i, i / n_used, blocks[key_block[k]] });
+        }
+    }
+    return true;
 }

@@ -32,11 +32,15 @@ public:
     // wait for copies serve() left running; false with error set when they failed
     bool finish_copies(std::string & error);
 
+    // hybrid with fill_pool: start the copies of the experts this step computed on the CPU into the slots the
+    // pool's policy gave them (serve() waits for them before the next step); false with error set on failure
+    bool start_copies_behind(std::string & error);
+
     bool set_block(int32_t block, void * addr);
 
     // hybrid: the share of a step's RAM-tier misses that are still loaded into the pool (0: none, all
     // computed on the CPU); < 0: hybrid off
-    void set_upload_share(double share) { upload_share = share; }
+    void set_upload_share(double share, bool fill) { upload_share = share; fill_pool = fill; }
     double get_upload_share() const { return upload_share; }
     bool has_tier() const { return tier != nullptr; }
     const char * block_address(int32_t block) const {
@@ -50,7 +54,10 @@ public:
 private:
     llama_expert_fast_path() = default;
 
-    result copy_loads(int32_t layer, int32_t n_tokens, bool wait, std::string & error);
+    result copy_loads(int32_t layer, int32_t n_tokens, int32_t n_now, bool wait, std::string & error);
+    bool   copy_load(int32_t i, std::string & error);
+    bool   rows_from_loads(int32_t layer, int32_t n_keys, int32_t n_upload, std::vector<llama_expert_cpu_row> & rows,
+                           const int32_t * ids, int32_t n_ids, int32_t n_used, std::string & error);
     void   abandon_loads();
     bool   cpu_blocks(int32_t layer, int32_t n_keys, int32_t n_tokens, std::vector<llama_expert_cpu_row> & rows,
                       const int32_t * ids, int32_t n_ids, int32_t n_used, std::string & error);
@@ -66,8 +73,10 @@ private:
     llama_expert_sync_fn  sync = nullptr;
     void *                stream = nullptr;
     double                upload_share = -1.0;
+    bool                  fill_pool = false;
     bool                  copies_pending = false;
     std::vector<int32_t>  pending_loads;  // keys [n][2] whose copies are still running
+    int32_t               behind_layer = -1, behind_from = 0; // loads [behind_from, n) of behind_layer: copies behind
 
     llama_expert_fast_path_stats counts = {};
 

@@ -372,7 +372,8 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }
 
 // CPU custom op (hybrid): the rows the remap op left in RAM, computed on the CPU; then the wait for the
-// copies the remap op left running (they overlap the CPU's work). Runs right after the remap op.
+// copies the remap op left running (they overlap the CPU's work), and (fill_pool) the start of the copies of
+// the CPU's experts into their slots, which the next step waits for. Runs right after the remap op.
 static void cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
@@ -394,6 +395,10 @@ static void cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     if (hook->fast && !hook->fast->finish_copies(error)) {
         hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
+        hook->failed = true;
+    }
+    if (hook->fast && !hook->failed.load() && !hook->fast->start_copies_behind(error)) {
+        hook->set_error(error);
         hook->failed = true;
     }
 }
@@ -763,7 +768,7 @@ int32_t llama_expert_hybrid_set(llama_context * ctx, const llama_expert_hybrid_d
         hook->cpu.reset();
         hook->cpu_layers.clear();
         if (hook->fast) {
-            hook->fast->set_upload_share(-1.0);
+            hook->fast->set_upload_share(-1.0, false);
         }
         return 0;
     }
@@ -809,7 +814,7 @@ int32_t llama_expert_hybrid_set(llama_context * ctx, const llama_expert_hybrid_d
     hook->cpu = std::move(cpu);
     hook->cpu_layers = std::move(layers);
     hook->hybrid_max_tokens = desc->max_tokens;
-    hook->fast->set_upload_share(desc->upload_share);
+    hook->fast->set_upload_share(desc->upload_share, desc->fill_pool != 0);
     return 0;
 }
 

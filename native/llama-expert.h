@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 6
+#define LLAMA_EXPERT_API_VERSION 7
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -229,8 +229,12 @@ LLAMA_EXPERT_API int32_t llama_expert_fast_path_stats_get(const struct llama_con
 // RAM blocks and compute those (token, expert) rows on the CPU with ggml's CPU kernels (mul_mat_id gate and
 // up, the layer's GLU, mul_mat_id down: the ops --cpu-moe runs on the CPU) while the other rows run on the
 // pool as before; the graph then picks each row from its side before the weighted sum, in the model's order.
-// Of a step's misses in RAM, the first round(n * upload_share) (first-seen order) are still copied into the
-// pool; the copies run while the CPU computes. Only ubatches of at most max_tokens tokens, and layers whose
+// Of a step's misses in RAM, the first round(n * upload_share) (first-seen order) are copied into the pool
+// before the step's GPU work, while the CPU computes the others. fill_pool 1: the CPU's experts are copied
+// into the pool too, after the CPU's work and without the step waiting for them (when the tier holds every
+// key and never rewrites a block; otherwise beside the other copies), so the pool's policy decides as without
+// hybrid and later steps hit them; 0: they stay out of the pool (with upload_share 0 the pool then never
+// changes on a split step: every RAM miss runs on the CPU, the --cpu-moe endpoint). Only ubatches of at most max_tokens tokens, and layers whose
 // experts have gate, up and down matrices with a plain SiLU or GELU GLU (no biases, scales, clamps, or
 // weights applied before the FFN) are split; every other step runs on the GPU as without hybrid.
 struct llama_expert_hybrid_desc {
@@ -238,6 +242,7 @@ struct llama_expert_hybrid_desc {
     int32_t          n_threads;            // CPU threads computing experts (a pool of their own)
     int32_t          max_tokens;           // larger ubatches keep every expert on the GPU
     const uint64_t * tensor_block_offsets; // per expert tensor (llama_model_expert_tensor_get's index): its offset in a RAM block
+    int32_t          fill_pool;            // 1: the CPU's experts are copied into the pool behind the step
 };
 // desc NULL: off. Needs the fast path with a RAM tier; graphs built from now on carry the CPU op.
 LLAMA_EXPERT_API int32_t llama_expert_hybrid_set(struct llama_context * ctx, const struct llama_expert_hybrid_desc * desc);

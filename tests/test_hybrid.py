@@ -77,13 +77,32 @@ def test_hybrid_rows_on_the_cpu_give_vanillas_logits(preset, n_ubatch, mode, mod
 
 
 def test_an_empty_pool_with_every_expert_in_ram_computes_every_row_on_the_cpu(models, vanilla, tmp_path):
-    """hybrid="on" with the RAM tier preloaded: no step ever copies, the pool stays empty, every row of every
-    decode step is the CPU's (the --cpu-moe endpoint), and the logits are vanilla's."""
+    """hybrid="on" without filling the pool, the RAM tier preloaded: no step ever copies, the pool stays empty,
+    every row of every decode step is the CPU's (the --cpu-moe endpoint), and the logits are vanilla's."""
     preset, n_ubatch = "qwen3moe-tiny", 1
-    logits, stats = hybrid_run(models, preset, n_ubatch, tmp_path, "empty", hybrid="on", ram_preload=True)
+    logits, stats = hybrid_run(models, preset, n_ubatch, tmp_path, "empty", hybrid="on", ram_preload=True,
+                               hybrid_fill_pool=False)
     assert np.array_equal(logits, vanilla(preset, n_ubatch))
     assert stats["cache_hits"] == 0 and stats["h2d_bytes"] == 0 and stats["pack_read_bytes"] == 0
     assert stats["cpu_experts"] == stats["cache_misses"] == stats["ram_hits"] > 0
+
+
+@pytest.mark.parametrize("mode", ["on", 0.5])
+def test_filling_the_pool_keeps_the_pools_decisions(mode, models, vanilla, tmp_path):
+    """With hybrid_fill_pool (the default) the CPU's experts are still copied into the pool, behind the step:
+    the pool's policy sees the same keys as without hybrid, so hits, misses and evictions are the same counts
+    as a run with hybrid off, and the logits stay vanilla's."""
+    preset, n_ubatch = "qwen3moe-tiny", 1
+    _, plain = hybrid_run(models, preset, n_ubatch, tmp_path, "plain", ram_preload=True)
+    logits, stats = hybrid_run(models, preset, n_ubatch, tmp_path, "fill", hybrid=mode, ram_preload=True)
+    assert np.array_equal(logits, vanilla(preset, n_ubatch))
+    assert stats["hybrid"]["fill_pool"] is True and stats["cpu_experts"] > 0
+    assert [stats[k] for k in ("cache_hits", "cache_misses", "cache_evictions")] == \
+        [plain[k] for k in ("cache_hits", "cache_misses", "cache_evictions")]
+    if mode == "on":  # every miss (all in RAM, every step split at n_ubatch 1) on the CPU, and loaded all the same
+        assert stats["cpu_experts"] == stats["cache_misses"] > 0
+    else:
+        assert 0 < stats["cpu_experts"] < stats["cache_misses"]
 
 
 def test_large_ubatches_and_unsplittable_layers_stay_on_the_pool(models, vanilla, tmp_path):

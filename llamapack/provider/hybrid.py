@@ -2,9 +2,12 @@
 
 With hybrid on, a step the native hot path serves leaves some of its slot-pool misses that are in RAM blocks
 where they are and computes their rows on the CPU (libllama's ``llama_expert_hybrid_set``); the rest are
-copied into the pool as before, while the CPU works. Which share is still copied:
+copied into the pool before the step's GPU work, while the CPU works. The CPU's experts are then copied into
+the pool too, behind the step (``hybrid_fill_pool``, on by default): the pool's policy decides exactly as
+without hybrid, so the hit rate is the PCIe-only tier's, and only the wait for those copies moves off the
+step's critical path. Which share of a step's misses is copied before its GPU work:
 
-- ``"on"``: none (0.0): every miss in RAM runs on the CPU; the pool changes only on SSD reads and preloads.
+- ``"on"``: none (0.0): every miss in RAM runs on the CPU.
 - ``"auto"``: the split that makes the copies and the CPU's work end together, from the measured per-expert
   costs: copying ``u`` of ``m`` misses takes ``u * copy_s``, computing the rest ``(m - u) * cpu_s``, so
   ``u / m = cpu_s / (cpu_s + copy_s)``; rounded to eighths, so that runs with slightly different timings

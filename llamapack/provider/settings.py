@@ -54,6 +54,9 @@ class StreamingSettings:
     ``hybrid`` (see provider.hybrid): ``"on"``, ``"auto"`` or an upload share: the native hot path leaves
     (some of) a step's misses in their RAM blocks and computes their rows on the CPU with llama.cpp's CPU
     kernels, ``hybrid_threads`` threads (None: all cores but one); needs the native hot path and a RAM tier.
+    ``hybrid_fill_pool``: those experts are still copied into the pool after the CPU's work, without the step
+    waiting (the pool's policy decides as without hybrid, so later steps hit them); False keeps them out (with
+    ``"on"`` the pool never changes on a split step: every RAM miss on the CPU, the --cpu-moe endpoint).
     Not bit-exact with all-GPU compute in general (rows computed on the CPU round as --cpu-moe's do); with
     every expert in the pool it is, and with every miss on the CPU it matches --cpu-moe. ``"off"``: all on
     the GPU (the default).
@@ -83,6 +86,7 @@ class StreamingSettings:
     native_hot_path: bool = True
     hybrid: str | float = "off"
     hybrid_threads: int | None = None
+    hybrid_fill_pool: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "hybrid", parse_mode(self.hybrid))  # ValueError for a bad mode

@@ -205,11 +205,12 @@ class StreamingProvider:
         threads = self.settings.hybrid_threads or hybrid_policy.default_threads(os.cpu_count())
         cpu_s = copy_s = None
         if mode == "auto":
-            self._hybrid_arrays = native.set_hybrid(self._ctx, 0.0, threads, hybrid_policy.MAX_TOKENS, offsets)
+            self._hybrid_arrays = native.set_hybrid(self._ctx, 0.0, threads, hybrid_policy.MAX_TOKENS, offsets, False)
             cpu_s, copy_s = self._hybrid_costs()
         share = hybrid_policy.share_for(mode, cpu_s, copy_s)
-        self._hybrid_arrays = native.set_hybrid(self._ctx, share, threads, hybrid_policy.MAX_TOKENS, offsets)
-        self.hybrid = dict(mode=mode, upload_share=share, threads=threads, cpu_s_per_expert=cpu_s,
+        fill_pool = self.settings.hybrid_fill_pool
+        self._hybrid_arrays = native.set_hybrid(self._ctx, share, threads, hybrid_policy.MAX_TOKENS, offsets, fill_pool)
+        self.hybrid = dict(mode=mode, upload_share=share, threads=threads, fill_pool=fill_pool, cpu_s_per_expert=cpu_s,
                            copy_s_per_expert=copy_s)
         log.info("hybrid %s: %.3g of each step's RAM misses copied to the pool, the rest computed on %d CPU threads%s",
                  mode, share, threads, "" if cpu_s is None else
