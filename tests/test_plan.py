@@ -305,7 +305,7 @@ def test_plan_table(recorded):
     header = next(line for line in lines if line.startswith("config"))
     assert "decode tok/s" in header and "prefill 4096" in header
     assert any(line.startswith("recommended ") for line in lines)
-    assert any("hybrid mode" in line and "does not exist yet" in line for line in lines)
+    assert any("hybrid mode" in line and "not modelled, the plan keeps it off" in line for line in lines)
 
 
 def test_plan_json_has_decode_predictions(recorded):

@@ -7,7 +7,8 @@ RAM spare after the weights and KV cache; with a GPU pool that does not hold eve
 ``AUTO_SHARE`` of the spare RAM (what ``--ram-cache-mib auto`` takes) when it holds a layer's working set;
 ``n_ubatch`` the largest power of two up to 512 whose working set the pool (and tier) can hold.
 Refused (CapacityError naming the short number): a pool that cannot hold one layer's top-k experts.
-The hybrid mode (the CPU computing missed experts) does not exist yet and is not modelled.
+Hybrid (the CPU computing some RAM-tier misses, --hybrid) is not modelled: the plan keeps it off, which
+measured best on the H100 (bench/results/gpu_hybrid_README.md).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .model import (DEFAULT_COSTS, MIB, Budgets, Costs, Machine, ModelShape, Pre
 VRAM_RESERVE_BYTES = int(StreamingSettings().cache_vram_reserve_mib * MIB)
 MAX_UBATCH = 512
 PREFILL_LENGTHS = (512, 4096)
-HYBRID_NOTE = "hybrid mode (CPU computing the experts that miss) does not exist yet: not modelled"
+HYBRID_NOTE = "hybrid mode (--hybrid, CPU computing some misses): not modelled, the plan keeps it off"
 
 
 @dataclass(frozen=True)
