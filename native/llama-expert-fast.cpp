@@ -65,7 +65,7 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error) {
     const auto started = std::chrono::steady_clock::now();
     const int32_t n_ids = n_used * n_tokens;
-    if (copies_pending && !finish_copies(error)) { // the last step's op did not wait for them (it always should)
+    if (copies_pending && !finish_copies(error)) { // hybrid's copies behind the last step (fill_pool)
         return FAILED;
     }
 
@@ -238,6 +238,13 @@ bool llama_expert_fast_path::cpu_blocks(int32_t layer, int32_t n_keys, int32_t n
             key_block[k] = block;
         }
     }
+    step_cpu_rows(rows, ids, n_ids, n_used);
+    return true;
+}
+
+// one row per id whose key runs on the CPU, from its key's RAM block (key_block)
+void llama_expert_fast_path::step_cpu_rows(std::vector<llama_expert_cpu_row> & rows, const int32_t * ids, int32_t n_ids,
+                                           int32_t n_used) const {
     rows.clear();
     for (int32_t i = 0; i < n_ids; ++i) {
         const int32_t k = position[ids[i]];
@@ -245,7 +252,6 @@ bool llama_expert_fast_path::cpu_blocks(int32_t layer, int32_t n_keys, int32_t n
             rows.push_back({ i, i / n_used, blocks[key_block[k]] });
         }
     }
-    return true;
 }
 
 void llama_expert_fast_path::abandon_loads() {
@@ -376,18 +382,12 @@ bool llama_expert_fast_path::rows_from_loads(int32_t layer, int32_t n_keys, int3
             }
             key_block[k] = load_blocks[i++];
         }
-    }
-    rows.clear();
-    for (int32_t i = 0; i < n_ids; ++i) {
-        const int32_t k = position[ids[i]];
-        if (on_cpu[k]) {
-            if (key_block[k] < 0) {
-                error = "layer " + std::to_string(layer) + ": expert " + std::to_string(ids[i]) + " has no RAM block";
-                abandon_loads();
-                return false;
-            }
-            rows.push_back({ i, i / n_used, blocks[key_block[k]] });
+        if (on_cpu[k] && key_block[k] < 0) {
+            error = "layer " + std::to_string(layer) + ": expert " + std::to_string(keys[2*k + 1]) + " has no RAM block";
+            abandon_loads();
+            return false;
         }
     }
+    step_cpu_rows(rows, ids, n_ids, n_used);
     return true;
 }

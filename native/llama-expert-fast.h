@@ -58,6 +58,7 @@ private:
     bool   copy_load(int32_t i, std::string & error);
     bool   rows_from_loads(int32_t layer, int32_t n_keys, int32_t n_upload, std::vector<llama_expert_cpu_row> & rows,
                            const int32_t * ids, int32_t n_ids, int32_t n_used, std::string & error);
+    void   step_cpu_rows(std::vector<llama_expert_cpu_row> & rows, const int32_t * ids, int32_t n_ids, int32_t n_used) const;
     void   abandon_loads();
     bool   cpu_blocks(int32_t layer, int32_t n_keys, int32_t n_tokens, std::vector<llama_expert_cpu_row> & rows,
                       const int32_t * ids, int32_t n_ids, int32_t n_used, std::string & error);

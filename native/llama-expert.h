@@ -234,9 +234,10 @@ LLAMA_EXPERT_API int32_t llama_expert_fast_path_stats_get(const struct llama_con
 // into the pool too, after the CPU's work and without the step waiting for them (when the tier holds every
 // key and never rewrites a block; otherwise beside the other copies), so the pool's policy decides as without
 // hybrid and later steps hit them; 0: they stay out of the pool (with upload_share 0 the pool then never
-// changes on a split step: every RAM miss runs on the CPU, the --cpu-moe endpoint). Only ubatches of at most max_tokens tokens, and layers whose
-// experts have gate, up and down matrices with a plain SiLU or GELU GLU (no biases, scales, clamps, or
-// weights applied before the FFN) are split; every other step runs on the GPU as without hybrid.
+// changes on a split step: every RAM miss runs on the CPU, the --cpu-moe endpoint). Only ubatches of at most
+// max_tokens tokens, and layers whose experts have gate, up and down matrices with a plain SiLU or GELU GLU
+// (no biases, scales, clamps, or weights applied before the FFN) are split; every other step runs on the GPU
+// as without hybrid.
 struct llama_expert_hybrid_desc {
     double           upload_share;         // in [0, 1]
     int32_t          n_threads;            // CPU threads computing experts (a pool of their own)
