@@ -178,6 +178,29 @@ def shared_cxx_runtime_args(work_dir: Path) -> list[str]:
     return [f"-DCMAKE_SHARED_LINKER_FLAGS=-L{link_dir}"]
 
 
+def amx_off_args() -> list[str]:
+    """Compile without AMX where ``-march=native`` would enable it (``LLAMAPACK_KEEP_AMX=1`` keeps it).
+
+    ggml builds for the native CPU, and where the CPU reports AMX its CPU backend repacks weights for AMX
+    kernels. On a sandboxed machine that reports AMX (the 2-core CI machine), every plain llama.cpp run with
+    repack on died in those kernels (SIGILL on ``tilezero``, vanilla llama.cpp as well), while a small probe
+    that loads a tile configuration, sleeps, takes signals and switches threads ran fine there: no probe we
+    could write predicts the fault. llamapack's own paths never reach these kernels (pack mode with a host pool
+    turns repack off; with a GPU the experts run there), so the build leaves AMX out rather than crash."""
+    if os.environ.get("LLAMAPACK_KEEP_AMX") == "1" or not sys.platform.startswith("linux"):
+        return []
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return []
+    macros = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+                            text=True).stdout
+    if "__AMX_TILE__" not in macros:
+        return []
+    off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    log("the native CPU has AMX: building without it (LLAMAPACK_KEEP_AMX=1 keeps it)")
+    return [f"-DCMAKE_C_FLAGS={off}", f"-DCMAKE_CXX_FLAGS={off}"]
+
+
 def cmake_args(cuda: bool) -> list[str]:
     args = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
@@ -192,7 +215,7 @@ def cmake_build(root: Path, build_dir: Path, cuda: bool) -> Path:
     jobs = str(os.environ.get("LLAMAPACK_JOBS", os.cpu_count() or 2))
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     log(f"configuring ({'CUDA' if cuda else 'CPU'}) in {build_dir}")
-    args = cmake_args(cuda) + shared_cxx_runtime_args(build_dir.parent)
+    args = cmake_args(cuda) + shared_cxx_runtime_args(build_dir.parent) + amx_off_args()
     subprocess.run(["cmake", "-S", str(root), "-B", str(build_dir), *generator, *args], check=True,
                    stdout=subprocess.DEVNULL)
     build_log = build_dir / "build.log"

@@ -101,3 +101,24 @@ def test_the_shared_cxx_runtime_is_linked_when_only_the_static_one_is_found(tmp_
     assert args == [f"-DCMAKE_SHARED_LINKER_FLAGS=-L{link.parent}"]
     assert link.is_symlink() and link.resolve() == runtime.resolve()
     assert build_llama.shared_cxx_runtime_args(tmp_path / "work") == args  # idempotent: the link is replaced
+
+
+@pytest.mark.parametrize("native_amx", [True, False])
+def test_amx_is_left_out_where_the_native_target_has_it(monkeypatch, native_amx):
+    """-march=native with AMX: the build adds -mno-amx-* (ggml's AMX kernels died on a sandbox that reports AMX)
+    unless LLAMAPACK_KEEP_AMX=1; without AMX nothing is added."""
+    import subprocess
+
+    macros = "#define __AVX512F__ 1\n" + ("#define __AMX_TILE__ 1\n" if native_amx else "")
+    monkeypatch.setattr(build_llama.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, stdout=macros, stderr=""))
+    monkeypatch.setattr(build_llama.sys, "platform", "linux")
+    monkeypatch.delenv("LLAMAPACK_KEEP_AMX", raising=False)
+    args = build_llama.amx_off_args()
+    if native_amx:
+        assert args == ["-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                        "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
+    else:
+        assert args == []
+    monkeypatch.setenv("LLAMAPACK_KEEP_AMX", "1")
+    assert build_llama.amx_off_args() == []
