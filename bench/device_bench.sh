@@ -33,6 +33,8 @@
 #   PLAN=1 with bench does the same right after the bench (PLAN_COSTS=<file.json>: other plan.model.Costs)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh hybrid", ...)  # #25: the replay
 #   stage's builds and model with hybrid's CUDA exactness endpoints (cuda_hybrid.md); then bench with +hybrid configs
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh lookup", ...)  # #24: the same builds
+#   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -157,6 +159,18 @@ hybrid)  # #25: build (patched + vanilla CUDA, and upstream b11549 unless SKIP_U
     build_cuda
     python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_hybrid.json" ${HYBRID_THREADS:+--threads $HYBRID_THREADS} 2>&1 | tail -3
+    wait; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
+    ;;
+lookup)  # #24: build (patched + vanilla CUDA, and upstream b11549 unless SKIP_UPSTREAM=1), CUDA bit-exactness with
+        # the slot lookup (n_ubatch 1, 7 and 512; without and with a RAM tier), hybrid's endpoints, the Qwen3-30B model
+    start_model "${SKEW:-0}"
+    [ -n "${SKIP_UPSTREAM:-}" ] || (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} bash bench/upstream_build.sh \
+        > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
+    build_cuda
+    bitexact cuda_bitexact_lookup.json --ubatch 1 7 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny
+    bitexact cuda_bitexact_lookup_ramtier.json --ubatch 1 7 512 --archs qwen3moe-tiny gpt-oss-tiny --ram-cache-mib 24
+    python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_hybrid_lookup.json" 2>&1 | tail -3
     wait; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 7
+EXPECTED_API_VERSION = 8
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -154,12 +154,20 @@ def set_prefetch(ctx, callback, depth: int = 1) -> None:
         raise NativeError(last_error(ctx))
 
 
+def set_slot_lookup(ctx, max_tokens: int) -> None:
+    """Remap ubatches of at most ``max_tokens`` tokens on a GPU pool by the slot lookup (0: always the CPU remap
+    op); graphs built from now on use it."""
+    if lib().llama_expert_slot_lookup_set(ctx, max_tokens) != 0:
+        raise NativeError(last_error(ctx))
+
+
 def hook_stats(ctx) -> dict:
-    """Calls and wall seconds inside the provider and prefetch callbacks, timed on libllama's side."""
+    """Calls and wall seconds inside the provider and prefetch callbacks, timed on libllama's side, and the
+    steps the slot lookup served."""
     out = ffi.new("struct llama_expert_hook_stats *")
     lib().llama_expert_hook_stats_get(ctx, out)
     return dict(provider_calls=out.provider_calls, prefetch_calls=out.prefetch_calls,
-                provider_call_s=out.provider_s, prefetch_call_s=out.prefetch_s)
+                provider_call_s=out.provider_s, prefetch_call_s=out.prefetch_s, lookup_steps=out.lookup_steps)
 
 
 def set_fast_path(ctx, pool_policy, tier_policy=None, tier_holds_every_key: bool = False, block_addrs=(),

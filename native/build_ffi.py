@@ -34,6 +34,7 @@ struct llama_expert_hook_stats {
     int64_t prefetch_calls;
     double  provider_s;
     double  prefetch_s;
+    int64_t lookup_steps;
 };
 
 struct llama_expert_pool_desc {
@@ -113,6 +114,7 @@ struct llama_expert_fast_path_stats {
     int64_t  cpu_experts;
     double   cpu_s;
 };
+int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens);
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);
 int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);

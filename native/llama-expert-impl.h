@@ -10,6 +10,7 @@
 #include <initializer_list>
 #include <string>
 
+struct ggml_backend_sched;
 struct ggml_context;
 struct ggml_tensor;
 struct llama_model;
@@ -45,9 +46,10 @@ struct llama_expert_remap {
 
 // ffn_input [n_embd, n_tokens]: the FFN input (the lookahead's guesses, and hybrid's CPU rows). ffn_op,
 // weight_before_ffn and expert_extras (biases, scales; null when absent) say whether hybrid may split the layer.
+// sched: the graph's scheduler (the slot lookup pins its get_rows to the pool's GPU and copies through it).
 llama_expert_remap llama_expert_remap_build(
-        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * ffn_input,
-        std::initializer_list<ggml_tensor *> expert_weights, int ffn_op, bool weight_before_ffn,
+        llama_expert_hook * hook, ggml_context * ctx, ggml_backend_sched * sched, ggml_tensor * selected_experts,
+        ggml_tensor * ffn_input, std::initializer_list<ggml_tensor *> expert_weights, int ffn_op, bool weight_before_ffn,
         std::initializer_list<ggml_tensor *> expert_extras);
 
 // point a freshly built mul_mat_id node at the pool tensor and the slot ids (no-op for an empty remap)

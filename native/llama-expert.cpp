@@ -57,6 +57,10 @@ struct llama_expert_layer_binding {
     // lookahead: the routers of the next served layers, nearest first (up to LLAMA_EXPERT_MAX_LOOKAHEAD)
     std::vector<llama_expert_lookahead_target> ahead;
     int32_t position = 0; // among the served layers, ascending (a replayed trace's layer index)
+    // slot lookup (GPU pools): this layer's slot map, I32 [1, n_expert] in host memory, and the step's n_used
+    ggml_tensor *        slot_map = nullptr;
+    int32_t              n_used   = 0;
+    std::vector<uint8_t> mapped; // per expert: given a slot in the current step
 };
 
 // llama_expert_bench_replay_set's trace rows for the current request (benchmarks only)
@@ -76,6 +80,7 @@ struct llama_expert_bench_replay {
 
 struct llama_expert_hook {
     const llama_model * model = nullptr;
+    llama_context *     ctx   = nullptr; // the slot lookup's copy callback finds the current hook through it
 
     // pool
     ggml_context_ptr        pool_ctx;
@@ -84,6 +89,12 @@ struct llama_expert_hook {
     std::unordered_map<const ggml_tensor *, ggml_tensor *> pool_tensor;   // original weight -> pool view
     std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of;
     std::vector<std::unique_ptr<llama_expert_layer_binding>> bindings;
+
+    // slot lookup (llama_expert_slot_lookup_set): the served layers' slot maps, in pinned host memory
+    int32_t                 lookup_max_tokens = 0;
+    ggml_context_ptr        map_ctx;
+    ggml_backend_buffer_ptr map_buf;
+    std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of_map;
 
     // provider
     llama_expert_provider_fn provider = nullptr;
@@ -116,6 +127,7 @@ struct llama_expert_hook {
     std::vector<llama_expert_cpu_row>                   cpu_rows; // the current step's, remap op -> CPU op
 
     std::vector<int32_t> scratch_ids;
+    std::vector<int32_t> scratch_router; // the slot lookup: the router's ids as read back (before a replay)
     std::vector<int32_t> scratch_slots;
     std::vector<int32_t> scratch_predicted;
 
@@ -196,6 +208,7 @@ static llama_expert_hook * hook_of(llama_context * ctx) {
     if (!ctx->expert_hook) {
         ctx->expert_hook = std::make_shared<llama_expert_hook>();
         ctx->expert_hook->model = &llama_expert_access::model(*ctx);
+        ctx->expert_hook->ctx   = ctx;
     }
     return ctx->expert_hook.get();
 }
@@ -271,6 +284,70 @@ static bool replay_ids(llama_expert_hook * hook, const llama_expert_layer_bindin
     return true;
 }
 
+// The step's router ids ([n_used, n_tokens] with strides nb0, nb1) into hook->scratch_ids, each checked
+// against the layer's expert count. False (hook failed) on an id outside it.
+static bool take_ids(llama_expert_hook * hook, const llama_expert_layer_binding * b, const char * data, size_t nb0,
+                     size_t nb1, int32_t n_used, int32_t n_tokens) {
+    hook->scratch_ids.resize((size_t) n_used * n_tokens);
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        for (int32_t k = 0; k < n_used; ++k) {
+            const int32_t id = *(const int32_t *) (data + t*nb1 + k*nb0);
+            if (id < 0 || id >= b->n_expert) {
+                hook->set_error("layer " + std::to_string(b->layer) + ": router produced expert id " + std::to_string(id) +
+                                " outside [0, " + std::to_string(b->n_expert) + ")");
+                hook->failed = true;
+                return false;
+            }
+            hook->scratch_ids[(size_t) t*n_used + k] = id;
+        }
+    }
+    return true;
+}
+
+// One step of one layer on hook->scratch_ids: the routing replay (benchmarks), then the native hot path or the
+// provider; every slot id checked -> hook->scratch_slots. cpu_rows: where hybrid leaves the CPU's rows (null:
+// no split). False (hook failed, error set) on any failure.
+static bool serve_step(llama_expert_hook * hook, const llama_expert_layer_binding * b, int32_t n_used, int32_t n_tokens,
+                       std::vector<llama_expert_cpu_row> * cpu_rows) {
+    const size_t n = (size_t) n_used * n_tokens;
+    hook->scratch_slots.assign(n, -1);
+    if (hook->replay && !replay_ids(hook, b, n_used, n_tokens)) {
+        hook->failed = true;
+        return false;
+    }
+    const auto fast_result = hook->fast ? hook->fast->serve(b->layer, b->n_expert, hook->scratch_ids.data(), n_used,
+                                                           n_tokens, hook->scratch_slots.data(), cpu_rows, fast_error(hook))
+                                        : llama_expert_fast_path::DECLINED;
+    if (fast_result == llama_expert_fast_path::FAILED) {
+        hook->set_error(hook->fast_error);
+        hook->failed = true;
+        return false;
+    }
+    if (fast_result == llama_expert_fast_path::DECLINED) {
+        const auto provider_start = std::chrono::steady_clock::now();
+        const int32_t rc = hook->provider(hook->provider_data, b->layer, hook->scratch_ids.data(), n_used, n_tokens,
+                                          hook->scratch_slots.data());
+        hook->stats.provider_calls++;
+        hook->stats.provider_s += seconds_since(provider_start);
+        if (rc != 0) {
+            hook->set_error("layer " + std::to_string(b->layer) + ": expert provider failed (code " + std::to_string(rc) + ")");
+            hook->failed = true;
+            return false;
+        }
+    }
+    for (size_t i = 0; i < n; ++i) {
+        const int32_t s = hook->scratch_slots[i];
+        if (s < 0 || s >= hook->n_slots) {
+            hook->set_error("layer " + std::to_string(b->layer) + ": provider returned slot id " + std::to_string(s) +
+                            " for expert " + std::to_string(hook->scratch_ids[i]) + ", outside [0, " +
+                            std::to_string(hook->n_slots) + ")");
+            hook->failed = true;
+            return false;
+        }
+    }
+    return true;
+}
+
 // CPU custom op: selected expert ids -> provider -> slot ids. Runs on one thread (n_tasks = 1).
 static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
@@ -292,64 +369,11 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         out[n + i] = n_used + (int32_t) (i % n_used); // the pool's row
     }
     hook->cpu_rows.clear();
-    if (hook->failed.load()) {
+    if (hook->failed.load() || !take_ids(hook, b, (const char *) sel->data, sel->nb[0], sel->nb[1], n_used, n_tokens) ||
+            !serve_step(hook, b, n_used, n_tokens, split && hook->cpu ? &hook->cpu_rows : nullptr)) {
         return;
     }
-
-    hook->scratch_ids.resize(n);
-    hook->scratch_slots.assign(n, -1);
-    for (int32_t t = 0; t < n_tokens; ++t) {
-        for (int32_t k = 0; k < n_used; ++k) {
-            const int32_t id = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
-            if (id < 0 || id >= b->n_expert) {
-                hook->set_error("layer " + std::to_string(b->layer) + ": router produced expert id " + std::to_string(id) +
-                                " outside [0, " + std::to_string(b->n_expert) + ")");
-                hook->failed = true;
-                return;
-            }
-            hook->scratch_ids[(size_t) t*n_used + k] = id;
-        }
-    }
-
-    if (hook->replay && !replay_ids(hook, b, n_used, n_tokens)) {
-        hook->failed = true;
-        return;
-    }
-
-    int32_t rc = 0;
-    const auto fast_result = hook->fast ? hook->fast->serve(b->layer, b->n_expert, hook->scratch_ids.data(), n_used,
-                                                           n_tokens, hook->scratch_slots.data(),
-                                                           split && hook->cpu ? &hook->cpu_rows : nullptr, fast_error(hook))
-                                        : llama_expert_fast_path::DECLINED;
-    if (fast_result == llama_expert_fast_path::FAILED) {
-        hook->set_error(hook->fast_error);
-        hook->failed = true;
-        return;
-    }
-    const auto provider_start = std::chrono::steady_clock::now();
-    if (fast_result == llama_expert_fast_path::DECLINED) {
-        rc = hook->provider(hook->provider_data, b->layer, hook->scratch_ids.data(), n_used, n_tokens,
-                            hook->scratch_slots.data());
-        hook->stats.provider_calls++;
-        hook->stats.provider_s += seconds_since(provider_start);
-    }
-    if (rc != 0) {
-        hook->set_error("layer " + std::to_string(b->layer) + ": expert provider failed (code " + std::to_string(rc) + ")");
-        hook->failed = true;
-        return;
-    }
-    for (size_t i = 0; i < n; ++i) {
-        const int32_t s = hook->scratch_slots[i];
-        if (s < 0 || s >= hook->n_slots) {
-            hook->set_error("layer " + std::to_string(b->layer) + ": provider returned slot id " + std::to_string(s) +
-                            " for expert " + std::to_string(hook->scratch_ids[i]) + ", outside [0, " +
-                            std::to_string(hook->n_slots) + ")");
-            hook->failed = true;
-            std::fill(out, out + n, 0);
-            return;
-        }
-        out[i] = s;
-    }
+    std::copy(hook->scratch_slots.begin(), hook->scratch_slots.end(), out);
     for (const auto & row : hook->cpu_rows) {
         out[n + row.row] = row.row % n_used; // the CPU's row
     }
@@ -369,6 +393,75 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         hook->stats.prefetch_calls++;
         hook->stats.prefetch_s += seconds_since(prefetch_start);
     }
+}
+
+// Slot lookup: one step served where the scheduler copies the layer's slot map into its GPU split. The ids come
+// from the split's get_rows that reads the map (computed in an earlier split, so complete once the backend is
+// synchronized); the map's entries of the step's experts get their slots. False (hook failed) on any failure.
+static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
+                        const ggml_tensor * dst, ggml_cgraph * graph, int32_t * map) {
+    const std::string where = "layer " + std::to_string(b->layer) + ": slot lookup: ";
+    const ggml_tensor * lookup = nullptr;
+    for (int i = 0; i < ggml_graph_n_nodes(graph) && lookup == nullptr; ++i) {
+        const ggml_tensor * node = ggml_graph_node(graph, i);
+        lookup = node->op == GGML_OP_GET_ROWS && node->src[0] == dst ? node : nullptr;
+    }
+    if (lookup == nullptr || b->n_used < 1 || ggml_nelements(lookup->src[1]) % b->n_used != 0) {
+        hook->set_error(where + "its get_rows is not in the split the map is copied into");
+        hook->failed = true;
+        return false;
+    }
+    const ggml_tensor * sel = lookup->src[1]; // the router's ids, [n_used * n_tokens] contiguous
+    for (int i = 0; i < ggml_graph_n_nodes(graph); ++i) {
+        const ggml_tensor * node = ggml_graph_node(graph, i);
+        if (node == sel || node == sel->view_src) {
+            hook->set_error(where + "the experts are selected in the same split as their lookup (no split boundary)");
+            hook->failed = true;
+            return false;
+        }
+    }
+    const int32_t n_used = b->n_used, n_tokens = (int32_t) (ggml_nelements(sel) / n_used);
+    hook->scratch_router.resize((size_t) n_used * n_tokens);
+    ggml_backend_tensor_get_async(backend, sel, hook->scratch_router.data(), 0, ggml_nbytes(sel));
+    ggml_backend_synchronize(backend);
+    if (!take_ids(hook, b, (const char *) hook->scratch_router.data(), sizeof(int32_t), n_used * sizeof(int32_t), n_used,
+                  n_tokens) ||
+            !serve_step(hook, b, n_used, n_tokens, nullptr)) {
+        return false;
+    }
+    // the map is keyed on the router's ids (a replay changes which experts they stand for, not the lookup)
+    b->mapped.assign(b->n_expert, 0);
+    for (size_t i = 0; i < hook->scratch_router.size(); ++i) {
+        const int32_t expert = hook->scratch_router[i], slot = hook->scratch_slots[i];
+        if (b->mapped[expert] && map[expert] != slot) {
+            hook->set_error(where + "expert " + std::to_string(expert) + " would need two slots in one step (" +
+                            std::to_string(map[expert]) + " and " + std::to_string(slot) + ")");
+            hook->failed = true;
+            return false;
+        }
+        map[expert] = slot;
+        b->mapped[expert] = 1;
+    }
+    hook->stats.lookup_steps++;
+    return true;
+}
+
+// The scheduler's copy callback: the copy of a slot map into its split runs the step (lookup_step) and copies the
+// map asynchronously (the next write to this map comes after a later synchronize). Other inputs: not ours.
+static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, ggml_cgraph * graph,
+                        void * user_data) {
+    llama_expert_hook * hook = ((llama_context *) user_data)->expert_hook.get();
+    const auto it = hook ? hook->binding_of_map.find(src) : decltype(hook->binding_of_map)::iterator();
+    if (hook == nullptr || it == hook->binding_of_map.end()) {
+        return false;
+    }
+    llama_expert_layer_binding * b = it->second;
+    auto * map = (int32_t *) src->data;
+    if (hook->failed.load() || !lookup_step(hook, b, backend, dst, graph, map)) {
+        std::fill(map, map + b->n_expert, 0); // fail closed: slot 0, and the decode reports the failure
+    }
+    ggml_backend_tensor_set_async(backend, dst, map, 0, ggml_nbytes(src));
+    return true;
 }
 
 // CPU custom op (hybrid): the rows the remap op left in RAM, computed on the CPU; then the wait for the
@@ -426,9 +519,29 @@ static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_bind
     return ffn_op == LLM_FFN_GELU ? GGML_GLU_OP_GEGLU : -1;
 }
 
+// slot lookup: the backend of the pool's GPU when this step can be remapped by a lookup (see
+// llama_expert_slot_lookup_set), else null (the remap op serves it)
+static ggml_backend_t lookup_backend(const llama_expert_hook * hook, const llama_expert_layer_binding * b,
+                                     ggml_backend_sched * sched, int64_t n_tokens) {
+    if (sched == nullptr || b->slot_map == nullptr || hook->prefetch != nullptr || n_tokens > hook->lookup_max_tokens ||
+            (hook->replay && n_tokens > 1)) {
+        return nullptr;
+    }
+    ggml_backend_dev_t pool_dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(hook->pool_buf.get()));
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_get_device(backend) == pool_dev) {
+            // a GPU that reads the map's host memory in place would skip the copy, and with it the step
+            const bool copied = !ggml_backend_supports_buft(backend, ggml_backend_buffer_get_type(hook->map_buf.get()));
+            return copied ? backend : nullptr;
+        }
+    }
+    return nullptr;
+}
+
 llama_expert_remap llama_expert_remap_build(
-        llama_expert_hook * hook, ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * ffn_input,
-        std::initializer_list<ggml_tensor *> expert_weights, int ffn_op, bool weight_before_ffn,
+        llama_expert_hook * hook, ggml_context * ctx, ggml_backend_sched * sched, ggml_tensor * selected_experts,
+        ggml_tensor * ffn_input, std::initializer_list<ggml_tensor *> expert_weights, int ffn_op, bool weight_before_ffn,
         std::initializer_list<ggml_tensor *> expert_extras) {
     llama_expert_remap remap;
     if (hook == nullptr || !hook->ready()) {
@@ -465,6 +578,19 @@ llama_expert_remap llama_expert_remap_build(
     const int32_t glu = split_glu(hook, binding, selected_experts, ffn_input, ffn_op, weight_before_ffn, expert_extras);
     const int64_t n_used = selected_experts->ne[0], n_tokens = selected_experts->ne[1];
     remap.hook = hook;
+    if (ggml_backend_t backend = glu < 0 ? lookup_backend(hook, binding, sched, n_tokens) : nullptr) {
+        // slot ids = map[router id], on the GPU; the scheduler's copy of the map into this split runs the step
+        ggml_tensor * ids = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
+        ggml_tensor * slots = ggml_get_rows(ctx, binding->slot_map, ggml_reshape_1d(ctx, ids, n_used * n_tokens));
+        if (ggml_backend_supports_op(backend, slots)) {
+            ggml_format_name(slots, "llamapack_slot_lookup-%d", binding->layer);
+            ggml_backend_sched_set_tensor_backend(sched, slots, backend);
+            ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx);
+            binding->n_used = (int32_t) n_used;
+            remap.ids = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
+            return remap;
+        }
+    }
     remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, glu >= 0 ? 2 : 1, 1, args, n_args, remap_op, 1, binding);
     ggml_format_name(remap.ids, "llamapack_slot_ids-%d", binding->layer);
     if (glu >= 0) {
@@ -667,6 +793,35 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         }
     }
 
+    // slot lookup: one map per served layer in pinned host memory of the pool's GPU (plain host memory if none)
+    ggml_context_ptr        map_ctx;
+    ggml_backend_buffer_ptr map_buf;
+    std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of_map;
+    if (desc->device >= 0) {
+        ggml_init_params map_params = {
+            /*.mem_size   =*/ bindings.size() * ggml_tensor_overhead(),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
+        map_ctx.reset(ggml_init(map_params));
+        for (auto & b : bindings) {
+            b->slot_map = ggml_new_tensor_2d(map_ctx.get(), GGML_TYPE_I32, 1, b->n_expert);
+            ggml_format_name(b->slot_map, "llamapack_slot_map-%d", b->layer);
+            binding_of_map[b->slot_map] = b.get();
+        }
+        ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(gpu_device(desc->device));
+        map_buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(map_ctx.get(), host ? host : ggml_backend_cpu_buffer_type()));
+        if (!map_buf) {
+            return attach_error(hook, "could not allocate the slot maps");
+        }
+        ggml_backend_buffer_clear(map_buf.get(), 0);
+        // as a weight: the scheduler copies it into the split that reads it (where lookup_copy runs the step)
+        ggml_backend_buffer_set_usage(map_buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
+
+    hook->map_ctx     = std::move(map_ctx);
+    hook->map_buf     = std::move(map_buf);
+    hook->binding_of_map = std::move(binding_of_map);
     hook->pool_ctx    = std::move(pool_ctx);
     hook->pool_buf    = std::move(pool_buf);
     hook->n_slots     = desc->n_slots;
@@ -724,8 +879,22 @@ void llama_expert_detach(llama_context * ctx) {
     llama_expert_access::need_reserve(*ctx);
     auto fresh = std::make_shared<llama_expert_hook>();
     fresh->model      = hook->model;
+    fresh->ctx        = ctx;
     fresh->generation = hook->generation + 1;
+    fresh->lookup_max_tokens = hook->lookup_max_tokens; // a setting of the context, not of the pool
     hook = std::move(fresh);
+}
+
+int32_t llama_expert_slot_lookup_set(llama_context * ctx, int32_t max_tokens) {
+    llama_expert_hook * hook = hook_of(ctx);
+    if (max_tokens < 0) {
+        hook->set_error("slot lookup: max_tokens " + std::to_string(max_tokens) + " is negative");
+        return -1;
+    }
+    hook->lookup_max_tokens = max_tokens;
+    hook->generation++; // graphs built from now on choose between the lookup and the op
+    llama_expert_access::need_reserve(*ctx);
+    return 0;
 }
 
 int32_t llama_expert_fast_path_set(llama_context * ctx, const llama_expert_fast_path_desc * desc) {
@@ -851,6 +1020,7 @@ double llama_expert_hybrid_probe(llama_context * ctx, int32_t layer, int32_t blo
 int32_t llama_expert_bench_replay_set(llama_context * ctx, const int32_t * prompt_rows, int32_t n_prompt_rows,
         const int32_t * decode_rows, int32_t n_decode_rows, int32_t n_prompt, int32_t n_layers, int32_t top_k) {
     llama_expert_hook * hook = hook_of(ctx);
+    hook->generation++; // the slot lookup serves only single-token ubatches while a replay is set
     if (prompt_rows == nullptr) {
         hook->replay.reset();
         return 0;

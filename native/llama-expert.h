@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 7
+#define LLAMA_EXPERT_API_VERSION 8
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -115,6 +115,16 @@ LLAMA_EXPERT_API int32_t llama_expert_prefetch_set(
         struct llama_context * ctx, llama_expert_prefetch_fn fn, void * user_data, int32_t depth);
 // Drops pool and provider. With lazy experts the context then refuses to decode.
 LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);
+// Slot lookup (API version 8): for a GPU pool, a served layer of a ubatch of at most max_tokens tokens (0, the
+// default: never) is remapped without the CPU remap op. The graph looks the router's ids up in a per-layer
+// slot map (an I32 [1, n_expert] host tensor, get_rows on the pool's GPU); the scheduler copies that map into
+// the GPU's split right before the experts' matmuls, and that copy is where libllama reads the ids back, runs
+// the step (routing replay, native hot path or provider, as the op does), writes the map's entries of the
+// step's experts and copies the map asynchronously. One split boundary per layer instead of the op's two,
+// and no CPU graph. Layers the op must serve keep it: router lookahead on, a hybrid split, a host pool, a GPU
+// that reads host memory in place (integrated), or, while a routing replay is set, ubatches of more than one
+// token. A step that would give one expert two slots fails the decode. Graphs built from now on use it.
+LLAMA_EXPERT_API int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens);
 // Wall time inside the provider and prefetch callbacks as seen from libllama (since the pool was last
 // attached): the gap to the callbacks' own timing is the cost of entering them (for Python: the GIL).
 struct llama_expert_hook_stats {
@@ -122,6 +132,7 @@ struct llama_expert_hook_stats {
     int64_t prefetch_calls;
     double  provider_s;
     double  prefetch_s;
+    int64_t lookup_steps; // steps served through the slot lookup (llama_expert_slot_lookup_set)
 };
 LLAMA_EXPERT_API int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.

@@ -149,6 +149,31 @@ def test_pyhot_needs_a_llama_that_takes_the_setting():
     assert hot_path_option(New, default) == {"native_hot_path": True}
 
 
+def test_oppath_runs_the_remap_op_instead_of_the_slot_lookup():
+    from llamapack.bench.worker import lookup_option
+    from llamapack.provider.settings import StreamingSettings
+
+    op, default = parse_config("pack-25%+ram+preload+oppath", 16), parse_config("pack-25%+ram+preload", 16)
+    assert (op.slot_lookup, op.ram_preload, default.slot_lookup) == (False, True, True)
+    with pytest.raises(ValueError, match="oppath .* is a llamapack setting"):
+        parse_config("vanilla-vram+oppath", 16)
+
+    class Old:
+        def __init__(self, model_path, **kwargs):
+            pass
+
+    class New:
+        def __init__(self, model_path, *, slot_lookup_max_tokens=32, **kwargs):
+            pass
+
+    assert lookup_option(Old, default) == {} and lookup_option(New, default) == {}
+    with pytest.raises(RuntimeError, match=r"\+oppath needs llamapack.Llama to take slot_lookup_max_tokens"):
+        lookup_option(Old, op)  # never silently the lookup
+    assert lookup_option(New, op) == {"slot_lookup_max_tokens": 0}
+    with pytest.raises(ValueError, match="slot_lookup_max_tokens must be >= 0"):
+        StreamingSettings(slot_lookup_max_tokens=-1)
+
+
 def test_hot_path_and_warm_start_tables():
     results = results_by_hand()
     pyhot = dict(config=dict(name="pack-25%+pyhot@8G"), requests=[request(

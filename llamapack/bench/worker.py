@@ -62,7 +62,8 @@ def load(spec: dict, config: BenchConfig):
     llm = Llama(spec["model"], **source, cache_slots=config.cache_slots(spec["n_experts"]),
                 stage_slots=spec.get("stage_slots", 4), read_splits=read_splits, native_reads=config.native_reads,
                 **warm, verify_pack_sha256=config.verify, cache_policy=config.cache_policy,
-                **hot_path_option(Llama, config), **hybrid_option(Llama, config), **extra, **params)
+                **hot_path_option(Llama, config), **hybrid_option(Llama, config), **lookup_option(Llama, config),
+                **extra, **params)
     served = getattr(getattr(llm._provider, "settings", None), "native_hot_path", True)
     if served != config.native_hot_path:
         llm.close()
@@ -92,6 +93,15 @@ def hybrid_option(llama_class, config: BenchConfig) -> dict:
     return dict(hybrid=config.hybrid)
 
 
+def lookup_option(llama_class, config: BenchConfig) -> dict:
+    """``slot_lookup_max_tokens=0`` for ``+oppath`` (an error when this Llama lacks it); {} otherwise."""
+    if config.slot_lookup:
+        return {}
+    if "slot_lookup_max_tokens" not in inspect.signature(llama_class.__init__).parameters:
+        raise RuntimeError(f"{config.name}: +oppath needs llamapack.Llama to take slot_lookup_max_tokens")
+    return dict(slot_lookup_max_tokens=0)
+
+
 def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
 
@@ -104,7 +114,7 @@ COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_by
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
                   "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
                   "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s",
-                  "cpu_experts", "cpu_s")
+                  "cpu_experts", "cpu_s", "lookup_steps")
 
 
 def delta(after: dict, before: dict) -> dict:

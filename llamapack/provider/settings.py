@@ -60,6 +60,11 @@ class StreamingSettings:
     Not bit-exact with all-GPU compute in general (rows computed on the CPU round as --cpu-moe's do); with
     every expert in the pool it is, and with every miss on the CPU it matches --cpu-moe. ``"off"``: all on
     the GPU (the default).
+    ``slot_lookup_max_tokens``: with a GPU pool, ubatches of at most this many tokens are remapped by a slot
+    lookup on the GPU, whose step runs where the scheduler copies the layer's slot map into the experts' split
+    (one split boundary per layer, no CPU op; llama_expert_slot_lookup_set) instead of by the CPU remap op
+    (0: always the op). Layers the op must serve keep it (lookahead, hybrid splits). Same kernels and inputs
+    either way: bit-exact.
     """
 
     cache_vram_mib: float | None = None
@@ -87,6 +92,7 @@ class StreamingSettings:
     hybrid: str | float = "off"
     hybrid_threads: int | None = None
     hybrid_fill_pool: bool = True
+    slot_lookup_max_tokens: int = 32
 
     def __post_init__(self):
         object.__setattr__(self, "hybrid", parse_mode(self.hybrid))  # ValueError for a bad mode
@@ -94,6 +100,8 @@ class StreamingSettings:
                      "prefetch_in_flight", "hybrid_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.slot_lookup_max_tokens < 0:
+            raise ValueError(f"slot_lookup_max_tokens must be >= 0 (got {self.slot_lookup_max_tokens})")
         policy_class(self.cache_policy)  # ValueError for an unknown name
         if not 1 <= self.prefetch_depth <= MAX_LOOKAHEAD:
             raise ValueError(f"prefetch_depth must be in [1, {MAX_LOOKAHEAD}] (got {self.prefetch_depth})")

@@ -156,6 +156,8 @@ class StreamingProvider:
             self._ctx = ctx_ptr
             self._copier = host or CudaCopier(device, self.pool_base, n_buffers, self._stride)
             native.set_provider(ctx_ptr, self._callback)
+            if device >= 0:
+                native.set_slot_lookup(ctx_ptr, settings.slot_lookup_max_tokens)
             if self._native_hot:
                 self._start_fast_path()
             self.hybrid: dict | None = None  # hybrid execution's split and the costs it came from, once on
