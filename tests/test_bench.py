@@ -404,6 +404,8 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     assert "sampled at temperature 1" in (out / "bench.md").read_text()
     assert "| pack-25% |" in (out / "bench.md").read_text()
     assert "| pack-25%+prefetch | " in (out / "bench.md").read_text().split("## Router lookahead")[1]
+    for run in data["runs"]:  # the evaluation alone is timed inside the decode loop's wall time
+        assert all(0 < r["decode_eval_s"] < r["decode_s"] for r in run["requests"])
 
 
 def test_bench_rounds_end_to_end(tmp_path):
@@ -508,3 +510,32 @@ def test_a_warm_run_primes_then_measures_under_the_same_limit(tmp_path, monkeypa
     saves.update(file=True, rc=3)
     crashed = runner.run_config(plan, config, 1 << 30, 64, "p", tmp_path / "spec-6.json", warm=warm)
     assert crashed["error"].startswith("priming: worker exit 3: boom")
+
+
+def test_upstream_comparison_uses_the_evaluation_alone_and_each_sides_own_baseline():
+    """Upstream's batched-bench samples nothing: our side of the ratio is the evaluation-only rate; the cache's
+    cost per token is taken within each harness (pack vs vanilla-vram, upstream-cache vs upstream-vram)."""
+    from llamapack.bench.report import summaries, upstream_lines
+
+    def run(name, decoded, decode_s, eval_s=None, **counters):
+        r = request(8, ["a"] * (decoded + 1), decoded, decode_s, **counters)
+        if eval_s is not None:
+            r["decode_eval_s"] = eval_s
+        return dict(config=dict(name=name, source="upstream" if name.startswith("upstream") else "pack"),
+                    requests=[r])
+
+    results = results_by_hand()
+    results["runs"] = [run("vanilla-vram", 100, 1.0, eval_s=0.8), run("pack-25%", 100, 1.25, eval_s=1.05,
+                                                                      cache_hits=90, cache_misses=10),
+                       run("upstream-vram", 100, 0.5, eval_s=0.5), run("upstream-cache-25%", 100, 0.8, eval_s=0.8,
+                                                                        cache_hits=92, cache_misses=8)]
+    results["runs"][0]["config"]["reference"] = True
+    text = "\n".join(upstream_lines(summaries(results)))
+    assert "evaluation alone" in text
+    assert "| pack-25% | 0.48x | 0.76x |" in text  # (100 / 1.05) / (100 / 0.5), / (100 / 0.8)
+    assert "| pack-25% | vanilla-vram | 2.50 | 0.80x | 90.0% |" in text  # 12.5 - 10 ms, from the wall rates
+    assert "| upstream-cache-25% | upstream-vram | 3.00 | 0.62x | 92.0% |" in text
+    for r in results["runs"]:
+        r["requests"][0].pop("decode_eval_s")  # an older run: wall rates, and the text says so
+    text = "\n".join(upstream_lines(summaries(results)))
+    assert "did not record the evaluation alone" in text and "| pack-25% | 0.40x | 0.64x |" in text

@@ -28,6 +28,7 @@ class RunSummary:
     prefill_tok_s: dict | None = None        # prompt length -> tok/s
     ttft_s: dict | None = None               # prompt length -> seconds
     decode_tok_s: float | None = None
+    decode_eval_tok_s: float | None = None   # the model's evaluation alone (no harness sampling): None if unknown
     n_decoded: int = 0
     hit_rate: float | None = None            # decode phase
     read_bytes_per_token: float | None = None
@@ -105,6 +106,8 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
     per_token = counters["pack_read_bytes"] / decoded if decoded and "pack_read_bytes" in counters else None
     io_bound = disk_bytes_per_s / per_token if per_token else None
     decode_tok_s = decoded / decode_s if decode_s > 0 else None
+    eval_s = sum(r.get("decode_eval_s", 0.0) for r in requests)
+    decode_eval_tok_s = decoded / eval_s if eval_s > 0 and all("decode_eval_s" in r for r in requests) else None
     breakdown = None
     if decoded and "provide_s" in counters:
         provide, read, copy, ahead = (counters.get(k, 0.0) for k in ("provide_s", "read_wait_s", "copy_wait_s",
@@ -131,7 +134,7 @@ def summarize(run: dict, reference: dict | None, disk_bytes_per_s: float) -> Run
         name, ok=True,
         prefill_tok_s={r["n_prompt"]: r["n_prompt"] / r["prefill_s"] for r in requests},
         ttft_s={r["n_prompt"]: r["ttft_s"] for r in requests},
-        decode_tok_s=decode_tok_s, n_decoded=decoded,
+        decode_tok_s=decode_tok_s, decode_eval_tok_s=decode_eval_tok_s, n_decoded=decoded,
         hit_rate=counters["cache_hits"] / lookups if lookups else None,
         read_bytes_per_token=per_token, io_bound_tok_s=io_bound,
         io_bound_fraction=decode_tok_s / io_bound if io_bound and decode_tok_s else None,
@@ -201,7 +204,7 @@ def combine(rows: list[RunSummary]) -> list[RunSummary]:
         failed = len(group) - len(ok)
         combined.append(replace(
             middle, n_rounds=len(ok), decode_by_round=tuple(r.decode_tok_s for r in group), decode_tok_s=decode,
-            n_decoded=sum(r.n_decoded for r in ok),
+            n_decoded=sum(r.n_decoded for r in ok), decode_eval_tok_s=_median(r.decode_eval_tok_s for r in ok),
             prefill_tok_s={n: _median(r.prefill_tok_s.get(n) for r in ok) for n in lengths},
             ttft_s={n: _median(r.ttft_s.get(n) for r in ok) for n in lengths},
             hit_rate=_median(r.hit_rate for r in ok), read_bytes_per_token=_median(r.read_bytes_per_token for r in ok),
@@ -333,14 +336,7 @@ def markdown(results: dict) -> str:
     for entry in ratios(rows):
         lines.append(f"| {entry['run']} | {entry['baseline']} | {_f(entry.get('decode_ratio'))}x | "
                      + " | ".join(f"{_f(entry.get(f'prefill_ratio_{n}'))}x" for n in lengths) + " |")
-    upstream = [row for row in rows if row.ok and row.name.startswith("upstream-") and row.decode_tok_s]
-    if upstream:
-        lines += ["", "## Decode against upstream llama.cpp b11549 (its runs: experts in pinned RAM, same VRAM)", "",
-                  "| run | " + " | ".join(f"vs {u.name}" for u in upstream) + " |", "|---|" + "---|" * len(upstream)]
-        for row in rows:
-            if row.ok and row.decode_tok_s and not row.name.startswith("upstream-"):
-                lines.append(f"| {row.name} | " + " | ".join(f"{row.decode_tok_s / u.decode_tok_s:.2f}x" for u in upstream)
-                             + " |")
+    lines += upstream_lines(rows)
     by_name = {row.name: row for row in rows if row.ok}
     with_lookahead = [row for row in rows if row.ok and row.lookahead]
     if with_lookahead:
@@ -381,6 +377,41 @@ def markdown(results: dict) -> str:
               "Outside the provider: GPU compute, the router ids' readback to the CPU and llama.cpp's own work "
               "(compare with pack-100%, which reads nothing)."]
     return "\n".join(lines) + "\n"
+
+
+def upstream_lines(rows: list[RunSummary]) -> list[str]:
+    """Decode against upstream's runs, and each side's cost of serving experts from a VRAM cache measured against
+    its own all-VRAM run (vanilla-vram for ours, upstream-vram for upstream's). Upstream's batched-bench samples
+    nothing, while our bench samples each token in Python: ratios use our evaluation-only rate where the run
+    recorded it; the per-token costs are differences within one harness, so its overhead cancels."""
+    upstream = [row for row in rows if row.ok and row.name.startswith("upstream-") and row.decode_tok_s]
+    if not upstream:
+        return []
+    ours = [row for row in rows if row.ok and row.decode_tok_s and not row.name.startswith("upstream-")]
+    rate = {row.name: row.decode_eval_tok_s or row.decode_tok_s for row in [*ours, *upstream]}
+    evaluated = all(row.decode_eval_tok_s for row in ours)
+    lines = ["", "## Decode against upstream llama.cpp b11549 (its runs: experts in pinned RAM, same VRAM)", "",
+             ("Our rates here are the model's evaluation alone (llama-cpp-python's eval and the logits), without "
+              "the bench's own sampling and digests, as upstream's llama-batched-bench samples nothing."
+              if evaluated else "Our rates include the bench's own sampling and digests per token (this run did not "
+              "record the evaluation alone); upstream's llama-batched-bench samples nothing."), "",
+             "| run | " + " | ".join(f"vs {u.name}" for u in upstream) + " |", "|---|" + "---|" * len(upstream)]
+    for row in ours:
+        lines.append(f"| {row.name} | " + " | ".join(f"{rate[row.name] / rate[u.name]:.2f}x" for u in upstream) + " |")
+    base = {"ours": next((row for row in ours if row.name == "vanilla-vram"), None),
+            "upstream": next((row for row in upstream if row.name == "upstream-vram"), None)}
+    costs = [(row, base["upstream" if row.name.startswith("upstream-") else "ours"]) for row in [*ours, *upstream]
+             if row.name not in ("vanilla-vram", "upstream-vram") and row.hit_rate is not None]
+    costs = [(row, b) for row, b in costs if b is not None]
+    if costs:
+        lines += ["", "### Cost of the expert cache, each against its own all-VRAM run (same harness, same run)", "",
+                  "| run | baseline | ms per token over the baseline | decode vs the baseline | hit rate |",
+                  "|---|---|---|---|---|"]
+        for row, b in costs:
+            extra_ms = 1000 / row.decode_tok_s - 1000 / b.decode_tok_s
+            lines.append(f"| {row.name} | {b.name} | {extra_ms:.2f} | {row.decode_tok_s / b.decode_tok_s:.2f}x | "
+                         f"{_f(row.hit_rate, '.1%')} |")
+    return lines
 
 
 def hot_path_lines(rows: list[RunSummary], by_name: dict) -> list[str]:

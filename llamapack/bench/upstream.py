@@ -179,7 +179,7 @@ def to_run(config: UpstreamConfig, rows: list[dict], log: dict, prompt_lengths, 
         raise UpstreamError(f"{config.name}: LLAMA_REPLAY_TRACE set but the binary did not replay "
                             "(not built with bench/upstream/replay.patch, or the trace's top-k is not the model's)")
     requests = [dict(n_prompt=r["pp"], prefill_s=r["t_pp"], ttft_s=r["t_pp"], n_decoded=r["tg"], decode_s=r["t_tg"],
-                     decode_capped=False, tokens=[], digests=[], prefill_counters={}, decode_counters={})
+                     decode_eval_s=r["t_tg"], decode_capped=False, tokens=[], digests=[], prefill_counters={}, decode_counters={})
                 for r in rows]
     if log["decode"] is not None:  # process totals, on the first request (the bench sums over requests)
         d = log["decode"]
