@@ -199,3 +199,17 @@ def test_on_the_machine_that_ran_the_bench(tmp_path):
     assert all(r["predicted_decode_tok_s"] > 0 and r["measured_decode_tok_s"] > 0 for r in rows.values())
     md, js = write(table, meta, tmp_path / "table")
     assert json.loads(js.read_text())["decode"][0]["config"] == "pack-25%" and md.read_text().startswith("# Predicted")
+
+
+def test_notes_name_what_the_plan_does_not_model():
+    from llamapack.bench.plan_check import notes_of
+
+    def notes(**config):
+        return notes_of(dict(config=dict(config), routing="replayed"))
+
+    assert notes(name="pack-25%", source="pack") == []  # results from before the slot lookup existed
+    assert notes(name="pack-25%", source="pack", slot_lookup=True) == [
+        "slot lookup: not modelled (its per-layer cost is the op's)"]
+    assert "CPU remap op (+oppath)" in notes(name="pack-25%+oppath", source="pack", slot_lookup=False)[0]
+    hybrid = notes(name="pack-25%+ram+hybridauto", source="pack", hybrid="auto", slot_lookup=True)
+    assert "hybrid: not modelled (predicted as off)" in hybrid

@@ -173,6 +173,12 @@ def notes_of(run: dict) -> list[str]:
         notes.append("own (synthetic) routing: the plan's routing model does not describe it")
     if config.get("native_hot_path") is False:
         notes.append("Python provider (+pyhot)")
+    if config.get("hybrid", "off") != "off":
+        notes.append("hybrid: not modelled (predicted as off)")
+    if config.get("slot_lookup") is False:
+        notes.append("CPU remap op (+oppath); the plan's per-layer cost was fitted on it")
+    elif config.get("slot_lookup") and config.get("source") in ("pack", "gguf_direct"):
+        notes.append("slot lookup: not modelled (its per-layer cost is the op's)")
     return notes
 
 
