@@ -115,6 +115,8 @@ def llama_worker(spec: dict) -> dict:
     then a real run."""
     from logits_worker import greedy_logits, prompt_tokens
 
+    from llamapack import native
+    from llamapack.errors import NativeError
     from llamapack.llama import Llama
 
     kwargs = dict(n_ctx=256, n_batch=512, n_ubatch=spec["n_ubatch"], logits_all=True, n_threads=N_THREADS,
@@ -129,6 +131,10 @@ def llama_worker(spec: dict) -> dict:
         prompt = prompt_tokens(llm, spec["n_prompt"])
         np.save(spec["out"], greedy_logits(llm, prompt, spec["n_decode"]))
         result["stats"] = llm.pack_stats()
+        try:  # a negative ubatch bound for the slot lookup is refused with libllama's message
+            native.set_slot_lookup(native.context_ptr(llm._ctx), -1)
+        except NativeError as exc:
+            result["slot_lookup_error"] = str(exc)
         stats_path = Path(spec["llama"].get("stats_path", ""))
         result["written_while_open"] = json.loads(stats_path.read_text()) if stats_path.is_file() else None
     return result
@@ -435,6 +441,8 @@ def test_llama_wrapper_serves_through_the_streaming_provider(models, vanilla, tm
     assert np.array_equal(np.load(tmp_path / "l.npy"), vanilla("qwen3moe-tiny", 1))
     stats = result["stats"]
     assert stats["n_slots"] == 30 * MIB // stats["slot_bytes"] and stats["gguf_direct"] is True
+    assert stats["lookup_steps"] == 0  # a host pool: every step through the remap op (the lookup is for GPU pools)
+    assert result["slot_lookup_error"] == "slot lookup: max_tokens -1 is negative"
     assert stats["cache_misses"] > stats["n_slots"] and stats["acquires"] == (N_PROMPT + N_DECODE) * 4
     written = json.loads(stats_path.read_text())  # closed: the last write has the final counters
     assert written["acquires"] == stats["acquires"] and written["cache_misses"] == stats["cache_misses"]
