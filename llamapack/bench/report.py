@@ -308,17 +308,20 @@ def markdown(results: dict) -> str:
                 + "; each line is the median of its runs (the rounds table below)" if n_rounds > 1 else ""),
              routing_line(results["workload"]), *warm_line(results["workload"]), "",
              "| run | routing | " + " | ".join(f"prefill {n} tok/s" for n in lengths) + " | TTFT " + f"{lengths[-1]} s"
-             + " | decode tok/s | tokens | hit rate | SSD MiB/token | I/O bound tok/s | of bound | bit-exact vs reference | peak MiB |",
-             "|---|---|" + "---|" * (len(lengths) + 9)]
+             + " | decode tok/s | decode tok/s, evaluation only | tokens | hit rate | SSD MiB/token | I/O bound tok/s | of bound "
+             "| bit-exact vs reference | peak MiB |",
+             "|---|---|" + "---|" * (len(lengths) + 10)]
     for row in rows:
         if not row.ok:
             lines.append(f"| {row.name} | failed: {' '.join(row.error.split())[-200:]} |")
             continue
         lines.append(
             f"| {row.name} | {routing_label(row.routing)} | " + " | ".join(_f(row.prefill_tok_s.get(n), ".1f") for n in lengths)
-            + f" | {_f(row.ttft_s.get(lengths[-1]))} | {_f(row.decode_tok_s)} | {row.n_decoded} | "
+            + f" | {_f(row.ttft_s.get(lengths[-1]))} | {_f(row.decode_tok_s)} | {_f(row.decode_eval_tok_s)} | {row.n_decoded} | "
             f"{_f(row.hit_rate, '.1%')} | {_f(row.read_bytes_per_token, '.1f', 1 / MIB)} | {_f(row.io_bound_tok_s)} | "
             f"{_f(row.io_bound_fraction, '.0%')} | {row.bit_exact} | {_f(row.peak_mib, '.0f')} |")
+    lines += ["", "Decode tok/s: the whole decode loop, the bench's own sampling in Python included; evaluation only: "
+              "the model's evaluation (llama-cpp-python's eval and the logits) alone, as llama-batched-bench times it."]
     if n_rounds > 1:
         lines += ["", "## Decode in each round (tok/s, in the order run)", "",
                   "| run | " + " | ".join(f"round {r}" for r in range(1, n_rounds + 1)) + " | median | max / min |",
