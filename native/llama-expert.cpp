@@ -412,6 +412,11 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
         return false;
     }
     const ggml_tensor * sel = lookup->src[1]; // the router's ids, [n_used * n_tokens] contiguous
+    if (strchr(sel->name, '#') != nullptr) { // the scheduler's name for a copy into this split: maybe not made yet
+        hook->set_error(where + "the experts' ids come from another backend (" + sel->name + ")");
+        hook->failed = true;
+        return false;
+    }
     for (int i = 0; i < ggml_graph_n_nodes(graph); ++i) {
         const ggml_tensor * node = ggml_graph_node(graph, i);
         if (node == sel || node == sel->view_src) {
@@ -528,6 +533,13 @@ static ggml_backend_t lookup_backend(const llama_expert_hook * hook, const llama
         return nullptr;
     }
     ggml_backend_dev_t pool_dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(hook->pool_buf.get()));
+    // the router's ids must come from an earlier split on the pool's GPU: a router elsewhere (a layer left on the
+    // CPU, another GPU) makes them an input of the lookup's own split, copied in after the map perhaps
+    const ggml_tensor * router = hook->model->layers[b->layer].ffn_gate_inp;
+    if (router == nullptr || router->buffer == nullptr ||
+            ggml_backend_buft_get_device(ggml_backend_buffer_get_type(router->buffer)) != pool_dev) {
+        return nullptr;
+    }
     for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
         ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
         if (ggml_backend_get_device(backend) == pool_dev) {
