@@ -173,6 +173,11 @@ lookup)  # #24: build (patched + vanilla CUDA, and upstream b11549 unless SKIP_U
         --out "$out/cuda_hybrid_lookup.json" 2>&1 | tail -3
     wait; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
     ;;
+lookup-check)  # the lookup stage's builds (ours only) and CUDA bit-exactness, no model, no upstream, no hybrid
+    build_cuda
+    bitexact cuda_bitexact_lookup.json --ubatch 1 7 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny
+    bitexact cuda_bitexact_lookup_ramtier.json --ubatch 1 7 512 --archs qwen3moe-tiny gpt-oss-tiny --ram-cache-mib 24
+    ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
         && lp pack "$work/granite.gguf" -q >> "$out/granite.log" 2>&1; echo "granite rc $?" >> "$out/granite.log") &
