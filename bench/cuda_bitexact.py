@@ -32,11 +32,14 @@ ARCHS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tin
 
 def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_lib: Path, tmp: Path,
             device: int = 0, n_prompt: int = 64, provider: str = "reference", sources=("gguf",),
-            streaming: dict | None = None) -> list[dict]:
+            streaming: dict | None = None, pool_layers: int = 0) -> list[dict]:
     """One case per source (``gguf``: GGUF-direct, ``pack``: the model's expert pack), all against one
-    vanilla run."""
+    vanilla run. ``pool_layers``: a pool of that many layers' experts (every layer's: the model's layer count)
+    instead of the smallest one; a pool whose slot count differs from a layer's expert count makes the
+    multi-token kernels (MMQ) see another expert count than vanilla's."""
     spec = PRESETS[preset]
-    n_slots = min(spec.n_expert, spec.n_expert_used * n_ubatch)
+    n_slots = spec.n_expert * min(pool_layers, spec.n_layer) if pool_layers else \
+        min(spec.n_expert, spec.n_expert_used * n_ubatch)
     base = dict(model=str(model), n_ubatch=n_ubatch, n_prompt=n_prompt, n_decode=32, n_gpu_layers=99, n_threads=4)
     t0 = time.time()
     want, _ = logits(dict(base, mode="vanilla", out=str(tmp / "v.npy")), tmp, lib_dir=vanilla_lib)
@@ -112,6 +115,8 @@ def main() -> int:
                         help="streaming provider: prefetch guessing this many layers ahead (implies --prefetch)")
     parser.add_argument("--prefetch-in-flight", type=int, help="streaming provider: lookahead pieces read at once")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
+    parser.add_argument("--pool-layers", type=int, default=0,
+                        help="a pool of this many layers' experts instead of the smallest (e.g. every layer's)")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -124,7 +129,7 @@ def main() -> int:
                 try:
                     cases = compare(preset, n_ubatch, model, args.vanilla_lib, args.patched_lib, tmp, args.device,
                                     args.n_prompt, args.provider, args.sources,
-                                    streaming_settings(args))
+                                    streaming_settings(args), args.pool_layers)
                 except AssertionError as exc:  # a worker crashed: record it, go on with the rest
                     cases = [dict(preset=preset, n_ubatch=n_ubatch, error=str(exc)[-2000:])]
                 for r in cases:

@@ -177,6 +177,9 @@ lookup-check)  # the lookup stage's builds (ours only) and CUDA bit-exactness, n
     build_cuda
     bitexact cuda_bitexact_lookup.json --ubatch 1 7 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny
     bitexact cuda_bitexact_lookup_ramtier.json --ubatch 1 7 512 --archs qwen3moe-tiny gpt-oss-tiny --ram-cache-mib 24
+    # multi-token ubatches on a pool of every layer's experts: MMQ sees the slot count, not the expert count
+    bitexact cuda_bitexact_big_pool.json --ubatch 16 32 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny \
+        --pool-layers 99
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
