@@ -400,29 +400,27 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 // synchronized); the map's entries of the step's experts get their slots. False (hook failed) on any failure.
 static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
                         const ggml_tensor * dst, ggml_cgraph * graph, int32_t * map) {
-    const std::string where = "layer " + std::to_string(b->layer) + ": slot lookup: ";
+    auto fail = [&](const std::string & why) { // built only on failure: this runs per layer and token
+        hook->set_error("layer " + std::to_string(b->layer) + ": slot lookup: " + why);
+        hook->failed = true;
+        return false;
+    };
     const ggml_tensor * lookup = nullptr;
     for (int i = 0; i < ggml_graph_n_nodes(graph) && lookup == nullptr; ++i) {
         const ggml_tensor * node = ggml_graph_node(graph, i);
         lookup = node->op == GGML_OP_GET_ROWS && node->src[0] == dst ? node : nullptr;
     }
     if (lookup == nullptr || b->n_used < 1 || ggml_nelements(lookup->src[1]) % b->n_used != 0) {
-        hook->set_error(where + "its get_rows is not in the split the map is copied into");
-        hook->failed = true;
-        return false;
+        return fail("its get_rows is not in the split the map is copied into");
     }
     const ggml_tensor * sel = lookup->src[1]; // the router's ids, [n_used * n_tokens] contiguous
     if (strchr(sel->name, '#') != nullptr) { // the scheduler's name for a copy into this split: maybe not made yet
-        hook->set_error(where + "the experts' ids come from another backend (" + sel->name + ")");
-        hook->failed = true;
-        return false;
+        return fail(std::string("the experts' ids come from another backend (") + sel->name + ")");
     }
     for (int i = 0; i < ggml_graph_n_nodes(graph); ++i) {
         const ggml_tensor * node = ggml_graph_node(graph, i);
         if (node == sel || node == sel->view_src) {
-            hook->set_error(where + "the experts are selected in the same split as their lookup (no split boundary)");
-            hook->failed = true;
-            return false;
+            return fail("the experts are selected in the same split as their lookup (no split boundary)");
         }
     }
     const int32_t n_used = b->n_used, n_tokens = (int32_t) (ggml_nelements(sel) / n_used);
@@ -439,10 +437,8 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
     for (size_t i = 0; i < hook->scratch_router.size(); ++i) {
         const int32_t expert = hook->scratch_router[i], slot = hook->scratch_slots[i];
         if (b->mapped[expert] && map[expert] != slot) {
-            hook->set_error(where + "expert " + std::to_string(expert) + " would need two slots in one step (" +
-                            std::to_string(map[expert]) + " and " + std::to_string(slot) + ")");
-            hook->failed = true;
-            return false;
+            return fail("expert " + std::to_string(expert) + " would need two slots in one step (" +
+                        std::to_string(map[expert]) + " and " + std::to_string(slot) + ")");
         }
         map[expert] = slot;
         b->mapped[expert] = 1;
@@ -456,8 +452,11 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
 static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, ggml_cgraph * graph,
                         void * user_data) {
     llama_expert_hook * hook = ((llama_context *) user_data)->expert_hook.get();
-    const auto it = hook ? hook->binding_of_map.find(src) : decltype(hook->binding_of_map)::iterator();
-    if (hook == nullptr || it == hook->binding_of_map.end()) {
+    if (hook == nullptr) {
+        return false;
+    }
+    const auto it = hook->binding_of_map.find(src);
+    if (it == hook->binding_of_map.end()) {
         return false;
     }
     llama_expert_layer_binding * b = it->second;
