@@ -106,6 +106,10 @@ class NativeNextUsePolicy:
     def __len__(self) -> int:
         return self._lib.llama_expert_policy_size(self.ptr)
 
+    def layer_size(self, layer: int) -> int:
+        """Resident keys of one layer (libllama's slot lookup defers a layer's steps when it holds them all)."""
+        return self._lib.llama_expert_policy_layer_size(self.ptr, layer)
+
     def __contains__(self, key: Key) -> bool:
         return self.slot_of(key) is not None
 

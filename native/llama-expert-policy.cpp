@@ -53,6 +53,7 @@ struct layer_state {
     std::vector<int32_t> ages;     // visits since last use as of the next visit, capped at horizon + 1
     std::vector<int32_t> slots;    // slot when resident, -1 otherwise (the reference's members)
     std::vector<uint8_t> in_step;  // 1 for the experts of its latest visit
+    int32_t              n_resident = 0;  // experts with a slot
 
     std::vector<int32_t> step_keys;  // the experts of its latest visit
     std::vector<int64_t> classes;    // horizon + 2: how many experts of each age
@@ -482,9 +483,11 @@ struct llama_expert_next_use_impl {
                     layer_state & owner = layers[victim.index];
                     slot = owner.slots[victim.expert];
                     owner.slots[victim.expert] = -1;
+                    owner.n_resident--;
                     evicted.push_back({{owner.id, victim.expert}, slot});
                 }
                 layer.slots[key.expert] = slot;
+                layer.n_resident++;
             }
             out.push_back({key, slot, hit});
         }
@@ -499,7 +502,9 @@ struct llama_expert_next_use_impl {
         if (slot < 0) {
             return false;
         }
-        layers[index_of_layer[key.layer]].slots[key.expert] = -1;  // skipped when it reaches its layer's front
+        layer_state & layer = layers[index_of_layer[key.layer]];
+        layer.slots[key.expert] = -1;  // skipped when it reaches its layer's front
+        layer.n_resident--;
         n_resident--;
         push_free_slot(slot);
         return true;
@@ -554,6 +559,7 @@ struct llama_expert_next_use_impl {
             const int32_t slot = pop_free_slot();
             n_resident++;
             layer.slots[key.expert] = slot;
+            layer.n_resident++;
             layer.ranked = false;  // ranked again, with its new members, when a victim is looked for
             loads.push_back({key, slot, false});
         }
@@ -628,6 +634,11 @@ int32_t llama_expert_next_use::slot_of(llama_expert_key key) const {
 
 int32_t llama_expert_next_use::size() const {
     return impl->n_resident;
+}
+
+int32_t llama_expert_next_use::layer_size(int32_t layer) const {
+    const int32_t index = impl->layer_index(layer);
+    return index < 0 ? 0 : impl->layers[index].n_resident;
 }
 
 // by layer (first seen first), then expert id: not the reference's order (a dict's insertion order)
@@ -792,6 +803,10 @@ LLAMA_EXPERT_API int32_t llama_expert_policy_slot_of(const llama_expert_policy *
 
 LLAMA_EXPERT_API int32_t llama_expert_policy_size(const llama_expert_policy * policy) {
     return policy->policy.size();
+}
+
+LLAMA_EXPERT_API int32_t llama_expert_policy_layer_size(const llama_expert_policy * policy, int32_t layer) {
+    return policy->policy.layer_size(layer);
 }
 
 LLAMA_EXPERT_API int32_t llama_expert_policy_resident(const llama_expert_policy * policy, int32_t * keys,

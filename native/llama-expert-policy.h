@@ -50,6 +50,7 @@ public:
     bool    abandon(llama_expert_key key);       // false when not resident
     int32_t slot_of(llama_expert_key key) const; // -1 when not resident
     int32_t size() const;                        // resident keys
+    int32_t layer_size(int32_t layer) const;     // resident keys of that layer
     void    resident(std::vector<std::pair<llama_expert_key, int32_t>> & out) const;
 
     // the estimate (tests, warm start), as in the reference
