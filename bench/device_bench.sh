@@ -35,6 +35,8 @@
 #   stage's builds and model with hybrid's CUDA exactness endpoints (cuda_hybrid.md); then bench with +hybrid configs
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh lookup", ...)  # #24: the same builds
 #   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh defer", ...)  # #24: deferred lookup
+#   steps' CUDA bit-exactness, the model, upstream; then bench with +nodefer twins
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -180,6 +182,24 @@ lookup-check)  # the lookup stage's builds (ours only) and CUDA bit-exactness, n
     # multi-token ubatches on a pool of every layer's experts: MMQ sees the slot count, not the expert count
     bitexact cuda_bitexact_big_pool.json --ubatch 16 32 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny \
         --pool-layers 99
+    ;;
+defer)  # #24, deferred lookup steps: builds (ours, and upstream b11549 unless SKIP_UPSTREAM=1) and CUDA bit-exactness
+       # with pools of every layer's experts (every decode step deferred; n_ubatch 16 and 32 also defer, and MMQ
+       # sees the slot count, not the expert count), of two layers' (layers whole at times: deferred and
+       # ordinary steps mixed, evictions), and with a RAM tier; hybrid's endpoints (CPU rows overlapping the
+       # GPU's); then the Qwen3-30B model
+    start_model "${SKEW:-0}"
+    [ -n "${SKIP_UPSTREAM:-}" ] || (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} bash bench/upstream_build.sh \
+        > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
+    build_cuda
+    archs="qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny"
+    bitexact cuda_bitexact_defer.json --ubatch 1 16 32 512 --archs $archs --pool-layers 99
+    bitexact cuda_bitexact_defer_mixed.json --ubatch 1 7 --archs $archs --pool-layers 2
+    bitexact cuda_bitexact_defer_ramtier.json --ubatch 1 --archs qwen3moe-tiny gpt-oss-tiny --pool-layers 2 --ram-cache-mib 24
+    # #25: hybrid's endpoints with the CPU rows on their own thread (overlapping the pool's matmuls)
+    python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_hybrid_overlap.json" 2>&1 | tail -3
+    wait; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \

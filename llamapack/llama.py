@@ -86,7 +86,9 @@ class Llama(llama_cpp.Llama):
                  cache_policy: str = DEFAULTS.cache_policy, native_hot_path: bool = DEFAULTS.native_hot_path,
                  hybrid: str | float = DEFAULTS.hybrid, hybrid_threads: int | None = DEFAULTS.hybrid_threads,
                  hybrid_fill_pool: bool = DEFAULTS.hybrid_fill_pool,
-                 slot_lookup_max_tokens: int = DEFAULTS.slot_lookup_max_tokens, **kwargs):
+                 slot_lookup_max_tokens: int = DEFAULTS.slot_lookup_max_tokens,
+                 slot_lookup_defer: bool = DEFAULTS.slot_lookup_defer, pool_preload: bool = DEFAULTS.pool_preload,
+                 **kwargs):
         self._provider = None
         if hybrid_threads is None and str(hybrid).lower() != "off":
             hybrid_threads = default_hybrid_threads(kwargs.get("n_threads"))
@@ -101,7 +103,8 @@ class Llama(llama_cpp.Llama):
             warm_start=default_warm_start() if warm_start is None else warm_start,
             warm_start_dir=None if warm_start_dir is None else os.fspath(warm_start_dir), cache_policy=cache_policy,
             native_hot_path=native_hot_path, hybrid=hybrid, hybrid_threads=hybrid_threads,
-            hybrid_fill_pool=hybrid_fill_pool, slot_lookup_max_tokens=slot_lookup_max_tokens)
+            hybrid_fill_pool=hybrid_fill_pool, slot_lookup_max_tokens=slot_lookup_max_tokens,
+            slot_lookup_defer=slot_lookup_defer, pool_preload=pool_preload)
         if self.pack_settings is not None and self.pack_settings.streaming.hybrid != "off" and kwargs.get("lora_path"):
             raise ValueError("hybrid does not apply LoRA adapters to the rows it computes on the CPU: "
                              "pass hybrid='off' with lora_path")

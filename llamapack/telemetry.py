@@ -47,6 +47,7 @@ class ProviderCounters:
     ram_evictions: int = 0  # cache_misses while the tier is on); RAM blocks taken from another expert
     ram_preloaded: int = 0  # RAM blocks filled by the start-up preload (ram_preload) ...
     ram_preload_bytes: int = 0  # ... and the SSD bytes it read (not in pack_read_bytes: no token asked)
+    pool_preloaded: int = 0     # slots filled at start-up, before any token (pool_preload, warm start)
     lookahead_keys: int = 0     # router lookahead: experts a layer asked for that had a prediction ...
     lookahead_hits: int = 0     # ... and how many of them were predicted (accuracy = hits / keys)
     prefetch_reads: int = 0     # lookahead reads started (predicted, in neither the pool nor the RAM tier)
@@ -56,7 +57,8 @@ class ProviderCounters:
     prefetch_cancelled: int = 0  # lookahead reads the layer did not ask for, cancelled before any piece ran
     native_steps: int = 0  # acquires served inside libllama (native hot path: no Python), counted in acquires too
     cpu_experts: int = 0   # hybrid: slot-pool misses computed on the CPU from their RAM block (in ram_hits too)
-    cpu_s: float = 0.0     # hybrid: seconds computing them (the copies of the step's other misses overlap it)
+    cpu_s: float = 0.0     # hybrid: seconds computing them (on a thread of their own, beside the GPU's matmuls)
+    cpu_wait_s: float = 0.0  # hybrid: of those, seconds the graph waited for them (not hidden behind the GPU)
 
     @property
     def lookups(self) -> int:

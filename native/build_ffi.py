@@ -35,6 +35,7 @@ struct llama_expert_hook_stats {
     double  provider_s;
     double  prefetch_s;
     int64_t lookup_steps;
+    int64_t deferred_steps;
 };
 
 struct llama_expert_pool_desc {
@@ -67,6 +68,7 @@ int32_t llama_expert_policy_acquire(struct llama_expert_policy * policy, const i
 int32_t llama_expert_policy_abandon(struct llama_expert_policy * policy, int32_t layer, int32_t expert);
 int32_t llama_expert_policy_slot_of(const struct llama_expert_policy * policy, int32_t layer, int32_t expert);
 int32_t llama_expert_policy_size(const struct llama_expert_policy * policy);
+int32_t llama_expert_policy_layer_size(const struct llama_expert_policy * policy, int32_t layer);
 int32_t llama_expert_policy_resident(const struct llama_expert_policy * policy, int32_t * keys, int32_t * slots, int32_t cap);
 double  llama_expert_policy_frequency(const struct llama_expert_policy * policy, int32_t layer, int32_t expert);
 double  llama_expert_policy_next_use(struct llama_expert_policy * policy, int32_t layer, int32_t expert);
@@ -113,8 +115,9 @@ struct llama_expert_fast_path_stats {
     double   copy_s;
     int64_t  cpu_experts;
     double   cpu_s;
+    double   cpu_wait_s;
 };
-int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens);
+int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool defer);
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);
 int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);

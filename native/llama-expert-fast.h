@@ -43,6 +43,13 @@ public:
     void set_upload_share(double share, bool fill) { upload_share = share; fill_pool = fill; }
     double get_upload_share() const { return upload_share; }
     bool has_tier() const { return tier != nullptr; }
+
+    // the slot lookup's deferred steps: true when every expert of the layer is in the pool and no copy is
+    // pending, so a step of that layer is all hits whatever its ids; pool_slot: the pool's slot of an expert
+    bool holds_layer(int32_t layer, int32_t n_expert) const {
+        return !copies_pending && llama_expert_policy_layer_size(pool, layer) >= n_expert;
+    }
+    int32_t pool_slot(int32_t layer, int32_t expert) const { return llama_expert_policy_slot_of(pool, layer, expert); }
     const char * block_address(int32_t block) const {
         return block >= 0 && block < (int32_t) blocks.size() ? blocks[block] : nullptr;
     }

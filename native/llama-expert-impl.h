@@ -39,7 +39,7 @@ struct llama_expert_remap {
     llama_expert_hook * hook = nullptr;
     ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
     // hybrid (llama_expert_hybrid_set): rows computed on the CPU [n_embd, n_expert_used, n_tokens], and per row
-    // where merge takes it from (k: the CPU's, n_expert_used + k: the pool's)
+    // where merge takes it from (k: the pool's, n_expert_used + k: the CPU's)
     ggml_tensor       * cpu_rows = nullptr;
     ggml_tensor       * pick     = nullptr;
 };

@@ -61,6 +61,8 @@ struct llama_expert_layer_binding {
     ggml_tensor *        slot_map = nullptr;
     int32_t              n_used   = 0;
     std::vector<uint8_t> mapped; // per expert: given a slot in the current step
+    int32_t *            deferred_ids = nullptr; // pinned room for a deferred step's ids (hook->deferred_room)
+    int64_t              map_copied_at = -1;     // hook->syncs when the map's last copy was issued (-1: never)
 };
 
 // llama_expert_bench_replay_set's trace rows for the current request (benchmarks only)
@@ -95,6 +97,15 @@ struct llama_expert_hook {
     ggml_context_ptr        map_ctx;
     ggml_backend_buffer_ptr map_buf;
     std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of_map;
+    // deferred steps (llama_expert_slot_lookup_set's defer): layers wholly in the pool, remapped from their map
+    // as it stood; their ids are read back into deferred_buf (pinned, deferred_room ids per served layer) and
+    // served in graph order by flush_deferred at the next point that synchronizes
+    bool                    defer = false;
+    ggml_backend_buffer_ptr deferred_buf;
+    size_t                  deferred_room = 0;
+    std::vector<std::pair<llama_expert_layer_binding *, int32_t>> deferred; // (layer, n_tokens)
+    ggml_backend_t          deferred_backend = nullptr;
+    int64_t                 syncs = 0; // synchronizes of the lookup's backend here: copies issued before one are done
 
     // provider
     llama_expert_provider_fn provider = nullptr;
@@ -124,7 +135,9 @@ struct llama_expert_hook {
     std::unique_ptr<llama_expert_cpu_experts>           cpu;
     std::unordered_map<int32_t, llama_expert_cpu_layer> cpu_layers;
     int32_t                                             hybrid_max_tokens = 0;
-    std::vector<llama_expert_cpu_row>                   cpu_rows; // the current step's, remap op -> CPU op
+    std::vector<llama_expert_cpu_row>                   cpu_rows; // the current step's, remap op -> CPU job
+    std::unique_ptr<llama_expert_background>            cpu_job;  // computes them while the GPU runs the pool's rows
+    std::vector<float>                                  cpu_input, cpu_out; // the job's input and rows
 
     std::vector<int32_t> scratch_ids;
     std::vector<int32_t> scratch_router; // the slot lookup: the router's ids as read back (before a replay)
@@ -238,8 +251,14 @@ bool llama_expert_decode_allowed(const llama_context & lctx, bool warmup) {
     return true;
 }
 
+static bool flush_deferred(llama_expert_hook * hook);
+
 bool llama_expert_take_failure(llama_expert_hook * hook) {
-    return hook && hook->failed.exchange(false);
+    if (hook == nullptr) {
+        return false;
+    }
+    flush_deferred(hook); // the ubatch's deferred steps: served (or found wrong) before the decode returns
+    return hook->failed.exchange(false);
 }
 
 uint64_t llama_expert_hook_generation(const llama_expert_hook * hook) {
@@ -348,6 +367,39 @@ static bool serve_step(llama_expert_hook * hook, const llama_expert_layer_bindin
     return true;
 }
 
+// hybrid, in the remap op: the step's CPU rows (hook->cpu_rows) start on the background thread, from a copy of
+// the FFN input (the graph may reuse its memory); then the wait for the copies serve() left running, and
+// (fill_pool) the start of the copies of the CPU's experts into their slots, which the next step waits for. The
+// join op (after the pool's matmuls are queued) waits for the rows, so the CPU's work overlaps the GPU's.
+static void start_cpu_rows(llama_expert_hook * hook, const llama_expert_layer_binding * b, const ggml_tensor * input,
+                           int32_t n_used) {
+    if (!hook->failed.load() && !hook->cpu_rows.empty()) {
+        const int64_t n_embd = input->ne[0], n_tokens = input->ne[1];
+        hook->cpu_input.resize((size_t) n_embd * n_tokens);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            memcpy(hook->cpu_input.data() + t * n_embd, (const char *) input->data + t * input->nb[1], n_embd * sizeof(float));
+        }
+        hook->cpu_out.resize((size_t) n_embd * n_used * n_tokens);
+        const llama_expert_cpu_layer * layer = &hook->cpu_layers.at(b->layer);
+        hook->cpu_job->start([hook, layer, n_embd](std::string & error) {
+            const auto started = std::chrono::steady_clock::now();
+            const bool ok = hook->cpu->compute(*layer, (const char *) hook->cpu_input.data(), n_embd * sizeof(float),
+                                               n_embd, hook->cpu_rows, hook->cpu_out.data(), error);
+            hook->fast->stats_mut().cpu_s += seconds_since(started); // read after the join's wait
+            return ok;
+        });
+    }
+    std::string error;
+    if (hook->fast && !hook->fast->finish_copies(error)) {
+        hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
+        hook->failed = true;
+    }
+    if (hook->fast && !hook->failed.load() && !hook->fast->start_copies_behind(error)) {
+        hook->set_error(error);
+        hook->failed = true;
+    }
+}
+
 // CPU custom op: selected expert ids -> provider -> slot ids. Runs on one thread (n_tasks = 1).
 static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
@@ -361,21 +413,28 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int32_t n_tokens = (int32_t) sel->ne[1];
     const size_t  n        = (size_t) n_used * n_tokens;
     int32_t * out = (int32_t *) dst->data; // contiguous [n_used, n_tokens] slot ids, then (split) as many picks
-    const bool split = dst->ne[2] == 2;     // hybrid: this graph computes rows on the CPU too
+    const bool split = dst->ne[2] == 2;     // hybrid: this graph computes rows on the CPU too (src[1]: their input)
 
     // fail closed: after a failure every later layer gets slot 0 and the abort callback stops compute
     std::fill(out, out + n, 0);
     for (size_t i = 0; split && i < n; ++i) {
-        out[n + i] = n_used + (int32_t) (i % n_used); // the pool's row
+        out[n + i] = (int32_t) (i % n_used); // the pool's row
     }
     hook->cpu_rows.clear();
-    if (hook->failed.load() || !take_ids(hook, b, (const char *) sel->data, sel->nb[0], sel->nb[1], n_used, n_tokens) ||
-            !serve_step(hook, b, n_used, n_tokens, split && hook->cpu ? &hook->cpu_rows : nullptr)) {
-        return;
+    const bool served = !hook->failed.load() && flush_deferred(hook) &&
+                        take_ids(hook, b, (const char *) sel->data, sel->nb[0], sel->nb[1], n_used, n_tokens) &&
+                        serve_step(hook, b, n_used, n_tokens, split && hook->cpu ? &hook->cpu_rows : nullptr);
+    if (served) {
+        std::copy(hook->scratch_slots.begin(), hook->scratch_slots.end(), out);
+        for (const auto & row : hook->cpu_rows) {
+            out[n + row.row] = n_used + row.row % n_used; // the CPU's row
+        }
     }
-    std::copy(hook->scratch_slots.begin(), hook->scratch_slots.end(), out);
-    for (const auto & row : hook->cpu_rows) {
-        out[n + row.row] = row.row % n_used; // the CPU's row
+    if (split) {
+        start_cpu_rows(hook, b, dst->src[1], n_used);
+    }
+    if (!served || split) {
+        return;
     }
 
     // lookahead: src[1 + d] is the top-k of the router of b->ahead[d] applied to this layer's FFN input
@@ -395,38 +454,50 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
-// Slot lookup: one step served where the scheduler copies the layer's slot map into its GPU split. The ids come
-// from the split's get_rows that reads the map (computed in an earlier split, so complete once the backend is
-// synchronized); the map's entries of the step's experts get their slots. False (hook failed) on any failure.
-static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
-                        const ggml_tensor * dst, ggml_cgraph * graph, int32_t * map) {
-    auto fail = [&](const std::string & why) { // built only on failure: this runs per layer and token
-        hook->set_error("layer " + std::to_string(b->layer) + ": slot lookup: " + why);
-        hook->failed = true;
-        return false;
-    };
+static bool lookup_fail(llama_expert_hook * hook, const llama_expert_layer_binding * b, const std::string & why) {
+    hook->set_error("layer " + std::to_string(b->layer) + ": slot lookup: " + why);
+    hook->failed = true;
+    return false;
+}
+
+// Slot lookup: the router's ids that the split's get_rows (the one reading the map copied into dst) looks up,
+// [n_used * n_tokens] contiguous, computed in an earlier split. Null (hook failed) when the graph is not so.
+static const ggml_tensor * lookup_ids(llama_expert_hook * hook, const llama_expert_layer_binding * b,
+                                      const ggml_tensor * dst, ggml_cgraph * graph) {
     const ggml_tensor * lookup = nullptr;
     for (int i = 0; i < ggml_graph_n_nodes(graph) && lookup == nullptr; ++i) {
         const ggml_tensor * node = ggml_graph_node(graph, i);
         lookup = node->op == GGML_OP_GET_ROWS && node->src[0] == dst ? node : nullptr;
     }
     if (lookup == nullptr || b->n_used < 1 || ggml_nelements(lookup->src[1]) % b->n_used != 0) {
-        return fail("its get_rows is not in the split the map is copied into");
+        lookup_fail(hook, b, "its get_rows is not in the split the map is copied into");
+        return nullptr;
     }
-    const ggml_tensor * sel = lookup->src[1]; // the router's ids, [n_used * n_tokens] contiguous
+    const ggml_tensor * sel = lookup->src[1];
     if (strchr(sel->name, '#') != nullptr) { // the scheduler's name for a copy into this split: maybe not made yet
-        return fail(std::string("the experts' ids come from another backend (") + sel->name + ")");
+        lookup_fail(hook, b, std::string("the experts' ids come from another backend (") + sel->name + ")");
+        return nullptr;
     }
     for (int i = 0; i < ggml_graph_n_nodes(graph); ++i) {
         const ggml_tensor * node = ggml_graph_node(graph, i);
         if (node == sel || node == sel->view_src) {
-            return fail("the experts are selected in the same split as their lookup (no split boundary)");
+            lookup_fail(hook, b, "the experts are selected in the same split as their lookup (no split boundary)");
+            return nullptr;
         }
     }
+    return sel;
+}
+
+// Slot lookup: one step served where the scheduler copies the layer's slot map into its GPU split: the ids
+// (complete once the backend is synchronized) read back, the step served, the map's entries of the step's
+// experts given their slots. False (hook failed) on any failure.
+static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
+                        const ggml_tensor * sel, int32_t * map) {
     const int32_t n_used = b->n_used, n_tokens = (int32_t) (ggml_nelements(sel) / n_used);
     hook->scratch_router.resize((size_t) n_used * n_tokens);
     ggml_backend_tensor_get_async(backend, sel, hook->scratch_router.data(), 0, ggml_nbytes(sel));
     ggml_backend_synchronize(backend);
+    hook->syncs++;
     if (!take_ids(hook, b, (const char *) hook->scratch_router.data(), sizeof(int32_t), n_used * sizeof(int32_t), n_used,
                   n_tokens) ||
             !serve_step(hook, b, n_used, n_tokens, nullptr)) {
@@ -436,9 +507,9 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
     b->mapped.assign(b->n_expert, 0);
     for (size_t i = 0; i < hook->scratch_router.size(); ++i) {
         const int32_t expert = hook->scratch_router[i], slot = hook->scratch_slots[i];
-        if (b->mapped[expert] && map[expert] != slot) {
-            return fail("expert " + std::to_string(expert) + " would need two slots in one step (" +
-                        std::to_string(map[expert]) + " and " + std::to_string(slot) + ")");
+        if (b->mapped[expert] && map[expert] != slot) { // built only on failure: this runs per layer and token
+            return lookup_fail(hook, b, "expert " + std::to_string(expert) + " would need two slots in one step (" +
+                                        std::to_string(map[expert]) + " and " + std::to_string(slot) + ")");
         }
         map[expert] = slot;
         b->mapped[expert] = 1;
@@ -447,8 +518,70 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
     return true;
 }
 
-// The scheduler's copy callback: the copy of a slot map into its split runs the step (lookup_step) and copies the
-// map asynchronously (the next write to this map comes after a later synchronize). Other inputs: not ours.
+// Slot lookup, deferred: when the pool holds every expert of the layer (and hybrid is off), the step is all
+// hits whatever its ids, so it need not wait for them: the whole map is written from the pool's policy, the
+// ids are read back asynchronously into pinned memory, and flush_deferred serves the step later, in order.
+// False when this step cannot be deferred (then it is served now); true when deferred.
+static bool defer_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
+                       const ggml_tensor * sel, int32_t * map) {
+    const size_t n_ids = (size_t) ggml_nelements(sel);
+    if (!hook->defer || !hook->fast || hook->cpu || b->deferred_ids == nullptr || n_ids > hook->deferred_room ||
+            !hook->fast->holds_layer(b->layer, b->n_expert)) {
+        return false;
+    }
+    if (b->map_copied_at == hook->syncs) {
+        return false; // the map's last copy may still be reading it: served now (a synchronize, then the write)
+    }
+    for (int32_t expert = 0; expert < b->n_expert; ++expert) {
+        const int32_t slot = hook->fast->pool_slot(b->layer, expert);
+        if (slot < 0 || slot >= hook->n_slots) {
+            return false; // not wholly resident after all: served now, with its checks
+        }
+        map[expert] = slot; // under a routing replay: the router's own experts (resident too), see docs/hook.md
+    }
+    ggml_backend_tensor_get_async(backend, sel, b->deferred_ids, 0, n_ids * sizeof(int32_t));
+    hook->deferred.emplace_back(b, (int32_t) (n_ids / b->n_used));
+    hook->deferred_backend = backend;
+    hook->stats.lookup_steps++;
+    hook->stats.deferred_steps++;
+    return true;
+}
+
+// The deferred steps, in graph order, once their ids are in: each goes through the step every lookup takes
+// (replay, native hot path, slot checks), which must find all of its experts in the pool. Called where the
+// next step may miss, by the remap op, and when the ubatch's compute returns. False (hook failed) on any
+// failure, or when the hook had failed (the steps are then dropped, as later steps are on a failure).
+static bool flush_deferred(llama_expert_hook * hook) {
+    if (hook->deferred.empty()) {
+        return !hook->failed.load();
+    }
+    ggml_backend_synchronize(hook->deferred_backend);
+    hook->syncs++;
+    std::vector<std::pair<llama_expert_layer_binding *, int32_t>> steps;
+    steps.swap(hook->deferred);
+    for (const auto & [b, n_tokens] : steps) {
+        if (hook->failed.load()) {
+            return false;
+        }
+        const int64_t misses = hook->fast->stats().cache_misses, calls = hook->stats.provider_calls;
+        if (!take_ids(hook, b, (const char *) b->deferred_ids, sizeof(int32_t), b->n_used * sizeof(int32_t), b->n_used,
+                      n_tokens) ||
+                !serve_step(hook, b, b->n_used, n_tokens, nullptr)) {
+            return false;
+        }
+        if (hook->fast->stats().cache_misses != misses || hook->stats.provider_calls != calls) {
+            return lookup_fail(hook, b, "a deferred step was not all hits (its layer was wholly in the pool when it "
+                                        "was computed); the decode is failed");
+        }
+    }
+    steps.clear();
+    hook->deferred.swap(steps); // keep the capacity
+    return !hook->failed.load();
+}
+
+// The scheduler's copy callback: the copy of a slot map into its split runs the step (deferred, or served now
+// after the deferred ones) and copies the map asynchronously (the next write to this map comes after a later
+// synchronize). Other inputs: not ours.
 static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, ggml_cgraph * graph,
                         void * user_data) {
     llama_expert_hook * hook = ((llama_context *) user_data)->expert_hook.get();
@@ -461,17 +594,41 @@ static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_te
     }
     llama_expert_layer_binding * b = it->second;
     auto * map = (int32_t *) src->data;
-    if (hook->failed.load() || !lookup_step(hook, b, backend, dst, graph, map)) {
+    const ggml_tensor * sel = hook->failed.load() ? nullptr : lookup_ids(hook, b, dst, graph);
+    const bool served = sel != nullptr && (defer_step(hook, b, backend, sel, map) ||
+                                           (flush_deferred(hook) && lookup_step(hook, b, backend, sel, map)));
+    if (!served) {
         std::fill(map, map + b->n_expert, 0); // fail closed: slot 0, and the decode reports the failure
     }
     ggml_backend_tensor_set_async(backend, dst, map, 0, ggml_nbytes(src));
+    b->map_copied_at = hook->syncs;
     return true;
 }
 
-// CPU custom op (hybrid): the rows the remap op left in RAM, computed on the CPU; then the wait for the
-// copies the remap op left running (they overlap the CPU's work), and (fill_pool) the start of the copies of
-// the CPU's experts into their slots, which the next step waits for. Runs right after the remap op.
-static void cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+// deferred steps' room: n_ids ids per served layer, in pinned memory of the pool's GPU (none there: no
+// deferral, as a read-back into pageable memory would wait). Only between computes (nothing deferred).
+static void reserve_deferred_room(llama_expert_hook * hook, size_t n_ids) {
+    if (hook->deferred_room >= n_ids || !hook->deferred.empty()) {
+        return;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(hook->pool_buf.get()));
+    ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    ggml_backend_buffer_ptr buf(host ? ggml_backend_buft_alloc_buffer(host, hook->bindings.size() * n_ids * sizeof(int32_t))
+                                     : nullptr);
+    if (!buf) {
+        return;
+    }
+    auto * base = (int32_t *) ggml_backend_buffer_get_base(buf.get());
+    for (size_t i = 0; i < hook->bindings.size(); ++i) {
+        hook->bindings[i]->deferred_ids = base + i * n_ids;
+    }
+    hook->deferred_buf  = std::move(buf);
+    hook->deferred_room = n_ids;
+}
+
+// CPU custom op (hybrid), in the graph after the pool's matmuls: waits for the CPU's rows (start_cpu_rows) and
+// writes them into dst, [n_embd, n_used, n_tokens] (rows not computed on the CPU: not picked by the merge).
+static void cpu_rows_join_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
         return;
@@ -479,24 +636,16 @@ static void cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * b    = (llama_expert_layer_binding *) userdata;
     auto * hook = b->hook;
     std::string error;
-    if (!hook->failed.load() && !hook->cpu_rows.empty()) {
-        const ggml_tensor * input = dst->src[1]; // [n_embd, n_tokens] F32
-        const auto started = std::chrono::steady_clock::now();
-        const bool ok = hook->cpu->compute(hook->cpu_layers.at(b->layer), (const char *) input->data, input->nb[1],
-                                           input->ne[0], hook->cpu_rows, (float *) dst->data, error);
-        hook->fast->stats_mut().cpu_s += seconds_since(started);
-        if (!ok) {
-            hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
-            hook->failed = true;
-        }
-    }
-    if (hook->fast && !hook->fast->finish_copies(error)) {
+    const auto started = std::chrono::steady_clock::now();
+    if (!hook->cpu_job->wait(error)) {
         hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
         hook->failed = true;
     }
-    if (hook->fast && !hook->failed.load() && !hook->fast->start_copies_behind(error)) {
-        hook->set_error(error);
-        hook->failed = true;
+    if (hook->fast) {
+        hook->fast->stats_mut().cpu_wait_s += seconds_since(started);
+    }
+    if (!hook->failed.load() && !hook->cpu_rows.empty() && hook->cpu_out.size() == (size_t) ggml_nelements(dst)) {
+        memcpy(dst->data, hook->cpu_out.data(), ggml_nbytes(dst));
     }
 }
 
@@ -504,7 +653,8 @@ static void cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_binding * binding, const ggml_tensor * selected,
                          const ggml_tensor * ffn_input, int ffn_op, bool weight_before_ffn,
                          std::initializer_list<ggml_tensor *> expert_extras) {
-    if (!hook->cpu || selected->ne[1] > hook->hybrid_max_tokens || weight_before_ffn || ffn_input == nullptr ||
+    if (!hook->cpu || hook->prefetch != nullptr || selected->ne[1] > hook->hybrid_max_tokens || weight_before_ffn ||
+            ffn_input == nullptr ||
             ffn_input->type != GGML_TYPE_F32 || ffn_input->nb[0] != sizeof(float) || ffn_input->ne[1] != selected->ne[1]) {
         return -1;
     }
@@ -598,9 +748,16 @@ llama_expert_remap llama_expert_remap_build(
             ggml_backend_sched_set_tensor_backend(sched, slots, backend);
             ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx);
             binding->n_used = (int32_t) n_used;
+            if (hook->defer) {
+                reserve_deferred_room(hook, (size_t) n_used * hook->lookup_max_tokens);
+            }
             remap.ids = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
             return remap;
         }
+    }
+    if (glu >= 0) {
+        args[1] = ffn_input; // the CPU rows' input (split_glu: no lookahead with hybrid)
+        n_args  = 2;
     }
     remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, glu >= 0 ? 2 : 1, 1, args, n_args, remap_op, 1, binding);
     ggml_format_name(remap.ids, "llamapack_slot_ids-%d", binding->layer);
@@ -609,8 +766,9 @@ llama_expert_remap llama_expert_remap_build(
         ggml_tensor * both = remap.ids;
         remap.ids  = ggml_view_2d(ctx, both, n_used, n_tokens, both->nb[1], 0);
         remap.pick = ggml_view_2d(ctx, both, n_used, n_tokens, both->nb[1], both->nb[2]);
-        ggml_tensor * srcs[2] = { both, ffn_input };
-        remap.cpu_rows = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn_input->ne[0], n_used, n_tokens, 1, srcs, 2, cpu_rows_op, 1, binding);
+        ggml_tensor * srcs[1] = { both }; // on the CPU: no input from the GPU, so no synchronize before it
+        remap.cpu_rows = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn_input->ne[0], n_used, n_tokens, 1, srcs, 1,
+                                        cpu_rows_join_op, 1, binding);
         ggml_format_name(remap.cpu_rows, "llamapack_cpu_rows-%d", binding->layer);
     }
     return remap;
@@ -620,9 +778,10 @@ ggml_tensor * llama_expert_remap_merge(const llama_expert_remap * remap, ggml_co
     if (remap == nullptr || remap->cpu_rows == nullptr) {
         return experts;
     }
-    // the CPU's rows first, so that the graph computes them (right after the remap op, in its CPU split)
-    // before the pool's matmuls: [n_embd, 2 n_used, n_tokens], then row pick[k, t] of each token's slice
-    ggml_tensor * both = ggml_concat(ctx, remap->cpu_rows, experts, 1);
+    // the pool's rows first, so that the graph queues the pool's matmuls before the join op (the graph is
+    // ordered depth-first, left to right) and the CPU's work overlaps them: [n_embd, 2 n_used, n_tokens], then
+    // row pick[k, t] of each token's slice
+    ggml_tensor * both = ggml_concat(ctx, experts, remap->cpu_rows, 1);
     return ggml_get_rows(ctx, both, remap->pick);
 }
 
@@ -840,6 +999,9 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
     hook->binding_of  = std::move(binding_of);
     hook->bindings    = std::move(bindings);
     hook->fast.reset(); // it points into the old pool
+    hook->deferred.clear(); // nothing is deferred between computes; the room is per binding
+    hook->deferred_buf.reset();
+    hook->deferred_room = 0;
     hook->replay.reset();
     hook->generation++;
     hook->failed = false;
@@ -892,17 +1054,19 @@ void llama_expert_detach(llama_context * ctx) {
     fresh->model      = hook->model;
     fresh->ctx        = ctx;
     fresh->generation = hook->generation + 1;
-    fresh->lookup_max_tokens = hook->lookup_max_tokens; // a setting of the context, not of the pool
+    fresh->lookup_max_tokens = hook->lookup_max_tokens; // settings of the context, not of the pool
+    fresh->defer             = hook->defer;
     hook = std::move(fresh);
 }
 
-int32_t llama_expert_slot_lookup_set(llama_context * ctx, int32_t max_tokens) {
+int32_t llama_expert_slot_lookup_set(llama_context * ctx, int32_t max_tokens, bool defer) {
     llama_expert_hook * hook = hook_of(ctx);
     if (max_tokens < 0) {
         hook->set_error("slot lookup: max_tokens " + std::to_string(max_tokens) + " is negative");
         return -1;
     }
     hook->lookup_max_tokens = max_tokens;
+    hook->defer             = defer;
     hook->generation++; // graphs built from now on choose between the lookup and the op
     llama_expert_access::need_reserve(*ctx);
     return 0;
@@ -992,6 +1156,9 @@ int32_t llama_expert_hybrid_set(llama_context * ctx, const llama_expert_hybrid_d
         return -1;
     }
     hook->cpu = std::move(cpu);
+    if (!hook->cpu_job) {
+        hook->cpu_job = std::make_unique<llama_expert_background>();
+    }
     hook->cpu_layers = std::move(layers);
     hook->hybrid_max_tokens = desc->max_tokens;
     hook->fast->set_upload_share(desc->upload_share, desc->fill_pool != 0);

@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 8
+#define LLAMA_EXPERT_API_VERSION 9
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -124,7 +124,12 @@ LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);
 // and no CPU graph. Layers the op must serve keep it: router lookahead on, a hybrid split, a host pool, a GPU
 // that reads host memory in place (integrated), or, while a routing replay is set, ubatches of more than one
 // token. A step that would give one expert two slots fails the decode. Graphs built from now on use it.
-LLAMA_EXPERT_API int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens);
+// defer (API 9): with the native hot path and no hybrid, a lookup step of a layer whose experts are all in the
+// pool does not wait for the ids: the map is written whole from the pool's policy and copied, and the ids are
+// read back asynchronously (pinned memory); such steps are served in order (same bookkeeping, decisions and
+// counters) at the next point that synchronizes: a step that may miss, a remap op, the end of the ubatch. A
+// deferred step that turns out not to be all hits fails the decode.
+LLAMA_EXPERT_API int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool defer);
 // Wall time inside the provider and prefetch callbacks as seen from libllama (since the pool was last
 // attached): the gap to the callbacks' own timing is the cost of entering them (for Python: the GIL).
 struct llama_expert_hook_stats {
@@ -132,7 +137,8 @@ struct llama_expert_hook_stats {
     int64_t prefetch_calls;
     double  provider_s;
     double  prefetch_s;
-    int64_t lookup_steps; // steps served through the slot lookup (llama_expert_slot_lookup_set)
+    int64_t lookup_steps;   // steps served through the slot lookup (llama_expert_slot_lookup_set)
+    int64_t deferred_steps; // of those, steps whose ids were read back without waiting (defer)
 };
 LLAMA_EXPERT_API int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.
@@ -159,6 +165,8 @@ LLAMA_EXPERT_API int32_t llama_expert_policy_abandon(struct llama_expert_policy 
 // the key's slot, -1 when not resident
 LLAMA_EXPERT_API int32_t llama_expert_policy_slot_of(const struct llama_expert_policy * policy, int32_t layer, int32_t expert);
 LLAMA_EXPERT_API int32_t llama_expert_policy_size(const struct llama_expert_policy * policy);
+// resident keys of one layer
+LLAMA_EXPERT_API int32_t llama_expert_policy_layer_size(const struct llama_expert_policy * policy, int32_t layer);
 // writes up to cap resident keys ([n][2]) and slots; returns how many are resident
 LLAMA_EXPERT_API int32_t llama_expert_policy_resident(const struct llama_expert_policy * policy, int32_t * keys,
         int32_t * slots, int32_t cap);
@@ -226,7 +234,8 @@ struct llama_expert_fast_path_stats {
     double   seconds;     // wall time serving them (copies included)
     double   copy_s;      // issuing the copies and waiting for them
     int64_t  cpu_experts; // hybrid: (step, expert) pairs computed on the CPU from RAM blocks (counted in ram_hits)
-    double   cpu_s;       // hybrid: wall time computing them
+    double   cpu_s;       // hybrid: wall time computing them (on a thread of its own, beside the GPU's work)
+    double   cpu_wait_s;  // hybrid: of that, the time the graph waited for them (not hidden behind the GPU)
 };
 
 // desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).

@@ -174,6 +174,28 @@ def test_oppath_runs_the_remap_op_instead_of_the_slot_lookup():
         StreamingSettings(slot_lookup_max_tokens=-1)
 
 
+def test_nodefer_makes_every_lookup_step_wait_for_its_ids():
+    from llamapack.bench.worker import lookup_option
+
+    nodefer = parse_config("pack-100%+ram+preload+nodefer", 16)
+    assert (nodefer.lookup_defer, nodefer.slot_lookup, parse_config("pack-100%", 16).lookup_defer) == (False, True, True)
+    for name in ("vanilla-vram+nodefer", "pack-25%+oppath+nodefer"):
+        with pytest.raises(ValueError, match="nodefer .* setting of the slot lookup"):
+            parse_config(name, 16)
+
+    class Old:
+        def __init__(self, model_path, *, slot_lookup_max_tokens=32, **kwargs):
+            pass
+
+    class New(Old):
+        def __init__(self, model_path, *, slot_lookup_defer=True, **kwargs):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"\+nodefer needs llamapack.Llama to take slot_lookup_defer"):
+        lookup_option(Old, nodefer)  # never silently deferred
+    assert lookup_option(New, nodefer) == {"slot_lookup_defer": False}
+
+
 def test_hot_path_and_warm_start_tables():
     results = results_by_hand()
     pyhot = dict(config=dict(name="pack-25%+pyhot@8G"), requests=[request(

@@ -467,6 +467,37 @@ def test_native_steps_count_towards_the_stats_files_interval(models, vanilla, tm
     assert stats["acquires"] - 50 < while_open["acquires"] <= stats["acquires"]  # at most one interval behind
 
 
+@pytest.mark.parametrize("pool_preload", [True, False])
+def test_a_pool_of_every_expert_is_filled_at_start(pool_preload, models, vanilla, tmp_path):
+    """pool_preload (the default): a pool with a slot for every expert loads them all before the first token, so
+    no step misses and every step is native; off, the pool fills as tokens ask. Logits equal vanilla's."""
+    from llamapack.synth import PRESETS as SPECS
+
+    gguf, _ = models["qwen3moe-tiny"]
+    every_expert = SPECS["qwen3moe-tiny"].n_expert * SPECS["qwen3moe-tiny"].n_layer
+    spec = dict(mode="llama", model=str(gguf), n_ubatch=1, n_prompt=N_PROMPT, n_decode=N_DECODE,
+                out=str(tmp_path / "f.npy"), llama=dict(cache_slots=every_expert, pool_preload=pool_preload))
+    stats = run_self(spec, tmp_path)["stats"]
+    assert np.array_equal(np.load(tmp_path / "f.npy"), vanilla("qwen3moe-tiny", 1))
+    if pool_preload:
+        assert stats["pool_preloaded"] == every_expert and stats["cache_misses"] == 0
+        assert stats["native_steps"] == stats["acquires"] == (N_PROMPT + N_DECODE) * 4
+    else:
+        assert stats["pool_preloaded"] == 0 and 0 < stats["cache_misses"] <= every_expert
+        assert stats["native_steps"] < stats["acquires"]
+
+
+def test_a_pool_short_of_one_expert_is_not_filled_at_start(models, tmp_path):
+    from llamapack.synth import PRESETS as SPECS
+
+    gguf, _ = models["qwen3moe-tiny"]
+    every_expert = SPECS["qwen3moe-tiny"].n_expert * SPECS["qwen3moe-tiny"].n_layer
+    spec = dict(mode="llama", model=str(gguf), n_ubatch=1, n_prompt=4, n_decode=2, out=str(tmp_path / "s.npy"),
+                llama=dict(cache_slots=every_expert - 1))
+    stats = run_self(spec, tmp_path)["stats"]
+    assert stats["pool_preloaded"] == 0 and stats["cache_misses"] > 0
+
+
 # ---------------------------------------------------------------- pure parts (no llama.cpp)
 def test_slot_budget():
     one = 3 * MIB

@@ -64,7 +64,12 @@ class StreamingSettings:
     lookup on the GPU, whose step runs where the scheduler copies the layer's slot map into the experts' split
     (one split boundary per layer, no CPU op; llama_expert_slot_lookup_set) instead of by the CPU remap op
     (0: always the op). Layers the op must serve keep it (lookahead, hybrid splits). Same kernels and inputs
-    either way: bit-exact.
+    either way: bit-exact. ``slot_lookup_defer``: a lookup step of a layer whose experts are all in the pool
+    does not wait for the router's ids: the GPU looks the slots up in the map as it stands, and the ids, read
+    back asynchronously, go through the same bookkeeping (policy, counters) in order at the next point that
+    synchronizes (a step that may miss, the end of the ubatch); same decisions, same kernels and inputs.
+    ``pool_preload``: with a pool that has a slot for every served expert (and the ``next-use`` policy), load
+    them all when the provider starts (from the RAM tier where it holds them), so that no step misses.
     """
 
     cache_vram_mib: float | None = None
@@ -93,6 +98,8 @@ class StreamingSettings:
     hybrid_threads: int | None = None
     hybrid_fill_pool: bool = True
     slot_lookup_max_tokens: int = 32
+    slot_lookup_defer: bool = True
+    pool_preload: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "hybrid", parse_mode(self.hybrid))  # ValueError for a bad mode

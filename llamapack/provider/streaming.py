@@ -22,7 +22,9 @@ abandoned read also frees its RAM block (mapped to no expert); a hung read's blo
 With ``ram_preload`` the provider fills the tier before it returns (``preload_ram_tier``), checking each
 block as a demand read is checked; a failed preload read fails the start-up. With ``warm_start`` (pack mode) it
 first seeds the policies with the last session's popularity and fills the tier, then the pool, with the
-hottest experts (``warm_start``; warm), and saves the popularity again at ``close``.
+hottest experts (``warm_start``; warm), and saves the popularity again at ``close``. With ``pool_preload`` and a
+pool that has a slot for every served expert, it loads them all before it returns (``preload_pool``, after
+the tier's preload so that the copies come from RAM).
 
 With ``native_hot_path`` (the default, for the ``next-use`` policy without lookahead) the pool's and the tier's
 policies are policy_native.NativeNextUsePolicy objects, which libllama's remap op asks first: a step whose
@@ -157,7 +159,7 @@ class StreamingProvider:
             self._copier = host or CudaCopier(device, self.pool_base, n_buffers, self._stride)
             native.set_provider(ctx_ptr, self._callback)
             if device >= 0:
-                native.set_slot_lookup(ctx_ptr, settings.slot_lookup_max_tokens)
+                native.set_slot_lookup(ctx_ptr, settings.slot_lookup_max_tokens, settings.slot_lookup_defer)
             if self._native_hot:
                 self._start_fast_path()
             self.hybrid: dict | None = None  # hybrid execution's split and the costs it came from, once on
@@ -173,6 +175,8 @@ class StreamingProvider:
                 self.warm_start()
             if settings.ram_preload:
                 self.preload_ram_tier()
+            if settings.pool_preload:
+                self.preload_pool()
         except BaseException:
             self.close()
             raise
@@ -293,17 +297,29 @@ class StreamingProvider:
         if self.tier is not None and hasattr(self.tier.policy, "seed"):
             self.tier.policy.seed(popularity)
             self._fill_tier(hottest(popularity, self.tier.n_blocks), "warm start (RAM tier)", progress)
+        loads = self.policy.preload(hottest(popularity, self.n_slots))
+        return self._load_into_pool(loads, "warm start", "hottest experts of the last session", progress)
+
+    def preload_pool(self, progress: bool | None = None) -> int:
+        """With a slot for every served expert (and a policy that can preload): load the experts the pool does
+        not hold yet, RAM tier first, so that no step misses; return how many were loaded. A failed read fails
+        the start-up, as a preload read does. Otherwise nothing happens."""
+        if self.n_slots < len(self._layers) * self._reader.layout.num_experts or not hasattr(self.policy, "preload"):
+            return 0
+        keys = [(layer, expert) for layer in self._layers for expert in range(self._reader.layout.num_experts)]
+        return self._load_into_pool(self.policy.preload(keys), "pool preload", "experts (every one)", progress)
+
+    def _load_into_pool(self, loads: tuple[SlotAssignment, ...], what: str, which: str, progress: bool | None) -> int:
         from tqdm import tqdm
 
-        loads = self.policy.preload(hottest(popularity, self.n_slots))
         started, batch_size = time.perf_counter(), 8 * self.settings.stage_slots
-        with tqdm(total=len(loads), unit="expert", desc="warm start", disable=None if progress is None else not progress,
+        with tqdm(total=len(loads), unit="expert", desc=what, disable=None if progress is None else not progress,
                   leave=False) as bar:
             for first in range(0, len(loads), batch_size):
                 self._load(loads[first:first + batch_size])
+                self.counters.add(pool_preloaded=min(batch_size, len(loads) - first))
                 bar.update(min(batch_size, len(loads) - first))
-        log.info("warm start: %d hottest experts of the last session loaded into the pool in %.1f s", len(loads),
-                 time.perf_counter() - started)
+        log.info("%s: %d %s loaded into the pool in %.1f s", what, len(loads), which, time.perf_counter() - started)
         return len(loads)
 
     def _preload_batch(self, keys: list) -> None:
