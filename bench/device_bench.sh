@@ -184,7 +184,7 @@ lookup-check)  # the lookup stage's builds (ours only) and CUDA bit-exactness, n
         --pool-layers 99
     ;;
 defer)  # #24, deferred lookup steps: builds (ours, and upstream b11549 unless SKIP_UPSTREAM=1) and CUDA bit-exactness
-       # with pools of every layer's experts (every decode step deferred; n_ubatch 16 and 32 also defer, and MMQ
+       # with pools of every layer's experts (every decode step deferred; n_ubatch 32 also defers, and MMQ
        # sees the slot count, not the expert count), of two layers' (layers whole at times: deferred and
        # ordinary steps mixed, evictions), and with a RAM tier; hybrid's endpoints (CPU rows overlapping the
        # GPU's); then the Qwen3-30B model
@@ -193,8 +193,8 @@ defer)  # #24, deferred lookup steps: builds (ours, and upstream b11549 unless S
         > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
     build_cuda
     archs="qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny"
-    bitexact cuda_bitexact_defer.json --ubatch 1 16 32 512 --archs $archs --pool-layers 99
-    bitexact cuda_bitexact_defer_mixed.json --ubatch 1 7 --archs $archs --pool-layers 2
+    bitexact cuda_bitexact_defer.json --ubatch 1 32 512 --archs $archs --pool-layers 99
+    bitexact cuda_bitexact_defer_mixed.json --ubatch 1 --archs $archs --pool-layers 2
     bitexact cuda_bitexact_defer_ramtier.json --ubatch 1 --archs qwen3moe-tiny gpt-oss-tiny --pool-layers 2 --ram-cache-mib 24
     # #25: hybrid's endpoints with the CPU rows on their own thread (overlapping the pool's matmuls)
     python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
