@@ -37,6 +37,8 @@
 #   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh defer", ...)  # #24: deferred lookup
 #   steps' CUDA bit-exactness, the model, upstream; then bench with +nodefer twins
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh defer-bench", ...)  # the same in one
+#   call, trimmed (no upstream), with the bench (+nodefer, +hybridauto) and hybrid's endpoints
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -200,6 +202,22 @@ defer)  # #24, deferred lookup steps: builds (ours, and upstream b11549 unless S
     python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_hybrid_overlap.json" 2>&1 | tail -3
     wait; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
+    ;;
+defer-bench)  # #24 and #25 in one call: our builds, the model, the deferral's CUDA bit-exactness (trimmed), the
+             # replayed-routing bench with +nodefer and +hybridauto twins, then hybrid's CUDA endpoints
+    start_model "${SKEW:-0}"
+    build_cuda
+    bitexact cuda_bitexact_defer.json --ubatch 1 32 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny \
+        --pool-layers 99
+    bitexact cuda_bitexact_defer_mixed.json --ubatch 1 --archs qwen3moe-tiny gpt-oss-tiny --pool-layers 2
+    wait_for_model
+    results="$out/bench-defer"
+    lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --memory-limit-mib 8192 --prompt-lengths 512,32 -n 200 --decode-cap-s "${DECODE_CAP_S:-6}" --temperature 1 \
+        --routing bench/results/q30b_routing_model_seed0.trace.npz --configs "${CONFIGS:-vanilla-vram,\
+pack-100%+ram+preload,pack-100%+ram+preload+nodefer,pack-25%+ram+preload,pack-25%+ram+preload+hybridauto}" 2>&1 | tail -30
+    python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_hybrid_overlap.json" 2>&1 | tail -3
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
