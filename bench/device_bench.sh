@@ -35,10 +35,8 @@
 #   stage's builds and model with hybrid's CUDA exactness endpoints (cuda_hybrid.md); then bench with +hybrid configs
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh lookup", ...)  # #24: the same builds
 #   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
-#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh defer", ...)  # #24: deferred lookup
-#   steps' CUDA bit-exactness, the model, upstream; then bench with +nodefer twins
-#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh defer-bench", ...)  # the same in one
-#   call, trimmed (no upstream), with the bench (+nodefer, +hybridauto) and hybrid's endpoints
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh whole-pool", ...)  # #24: whole-pool
+#   graphs' CUDA bit-exactness, hybrid's endpoints, the model; then bench with +nowhole twins (round 13's README)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -185,39 +183,17 @@ lookup-check)  # the lookup stage's builds (ours only) and CUDA bit-exactness, n
     bitexact cuda_bitexact_big_pool.json --ubatch 16 32 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny \
         --pool-layers 99
     ;;
-defer)  # #24, deferred lookup steps: builds (ours, and upstream b11549 unless SKIP_UPSTREAM=1) and CUDA bit-exactness
-       # with pools of every layer's experts (every decode step deferred; n_ubatch 32 also defers, and MMQ
-       # sees the slot count, not the expert count), of two layers' (layers whole at times: deferred and
-       # ordinary steps mixed, evictions), and with a RAM tier; hybrid's endpoints (CPU rows overlapping the
-       # GPU's); then the Qwen3-30B model
-    start_model "${SKEW:-0}"
-    [ -n "${SKIP_UPSTREAM:-}" ] || (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} bash bench/upstream_build.sh \
-        > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
-    build_cuda
-    archs="qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny"
-    bitexact cuda_bitexact_defer.json --ubatch 1 32 512 --archs $archs --pool-layers 99
-    bitexact cuda_bitexact_defer_mixed.json --ubatch 1 --archs $archs --pool-layers 2
-    bitexact cuda_bitexact_defer_ramtier.json --ubatch 1 --archs qwen3moe-tiny gpt-oss-tiny --pool-layers 2 --ram-cache-mib 24
-    # #25: hybrid's endpoints with the CPU rows on their own thread (overlapping the pool's matmuls)
-    python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_hybrid_overlap.json" 2>&1 | tail -3
-    wait; tail -3 "$out/synth.log"; [ -n "${SKIP_UPSTREAM:-}" ] || tail -3 "$out/upstream_build.out"
-    ;;
-defer-bench)  # #24 and #25 in one call: our builds, the model, the deferral's CUDA bit-exactness (trimmed), the
-             # replayed-routing bench with +nodefer and +hybridauto twins, then hybrid's CUDA endpoints
+whole-pool)  # #24: our builds, CUDA bit-exactness with whole-pool graphs (a pool of every layer's experts, filled at
+            # start: n_ubatch 1, 7, 512) and with a pool of two layers' (never whole: the lookup and the op),
+            # hybrid's endpoints, then the Qwen3-30B model; the bench with +nowhole twins is the next call
     start_model "${SKEW:-0}"
     build_cuda
-    bitexact cuda_bitexact_defer.json --ubatch 1 32 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny \
+    bitexact cuda_bitexact_whole_pool.json --ubatch 1 7 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny \
         --pool-layers 99
-    bitexact cuda_bitexact_defer_mixed.json --ubatch 1 --archs qwen3moe-tiny gpt-oss-tiny --pool-layers 2
-    wait_for_model
-    results="$out/bench-defer"
-    lp bench "$model" -o "$results" --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --memory-limit-mib 8192 --prompt-lengths 512,32 -n 200 --decode-cap-s "${DECODE_CAP_S:-6}" --temperature 1 \
-        --routing bench/results/q30b_routing_model_seed0.trace.npz --configs "${CONFIGS:-vanilla-vram,\
-pack-100%+ram+preload,pack-100%+ram+preload+nodefer,pack-25%+ram+preload,pack-25%+ram+preload+hybridauto}" 2>&1 | tail -30
+    bitexact cuda_bitexact_two_layer_pool.json --ubatch 1 --archs qwen3moe-tiny gpt-oss-tiny --pool-layers 2
     python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_hybrid_overlap.json" 2>&1 | tail -3
+        --out "$out/cuda_hybrid.json" 2>&1 | tail -3
+    wait_for_model
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \

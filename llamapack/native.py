@@ -154,11 +154,11 @@ def set_prefetch(ctx, callback, depth: int = 1) -> None:
         raise NativeError(last_error(ctx))
 
 
-def set_slot_lookup(ctx, max_tokens: int, defer: bool = True) -> None:
+def set_slot_lookup(ctx, max_tokens: int, whole_pool: bool = True) -> None:
     """Remap ubatches of at most ``max_tokens`` tokens on a GPU pool by the slot lookup (0: always the CPU remap
-    op); ``defer``: steps of layers whose experts are all in the pool do not wait for the router's ids (their
-    bookkeeping runs at the next synchronize, in order). Graphs built from now on use it."""
-    if lib().llama_expert_slot_lookup_set(ctx, max_tokens, defer) != 0:
+    op); ``whole_pool``: once the pool holds every expert, graphs look slots up in static maps on the pool's
+    device (docs/hook.md). Graphs built from now on use it."""
+    if lib().llama_expert_slot_lookup_set(ctx, max_tokens, whole_pool) != 0:
         raise NativeError(last_error(ctx))
 
 
@@ -169,7 +169,7 @@ def hook_stats(ctx) -> dict:
     lib().llama_expert_hook_stats_get(ctx, out)
     return dict(provider_calls=out.provider_calls, prefetch_calls=out.prefetch_calls,
                 provider_call_s=out.provider_s, prefetch_call_s=out.prefetch_s, lookup_steps=out.lookup_steps,
-                deferred_steps=out.deferred_steps)
+                whole_pool_steps=out.whole_pool_steps)
 
 
 def set_fast_path(ctx, pool_policy, tier_policy=None, tier_holds_every_key: bool = False, block_addrs=(),
@@ -210,8 +210,7 @@ def fast_path_counts(ctx) -> dict:
     return dict(acquires=out.steps, native_steps=out.steps, tokens=out.tokens, cache_hits=out.cache_hits,
                 cache_misses=out.cache_misses, cache_evictions=out.cache_evictions, ram_hits=out.ram_hits,
                 h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s,
-                cpu_experts=out.cpu_experts, cpu_s=out.cpu_s,
-                cpu_wait_s=out.cpu_wait_s)
+                cpu_experts=out.cpu_experts, cpu_s=out.cpu_s)
 
 
 def set_hybrid(ctx, upload_share: float, n_threads: int, max_tokens: int, block_offsets, fill_pool: bool = True) -> object:

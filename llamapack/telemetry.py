@@ -57,8 +57,7 @@ class ProviderCounters:
     prefetch_cancelled: int = 0  # lookahead reads the layer did not ask for, cancelled before any piece ran
     native_steps: int = 0  # acquires served inside libllama (native hot path: no Python), counted in acquires too
     cpu_experts: int = 0   # hybrid: slot-pool misses computed on the CPU from their RAM block (in ram_hits too)
-    cpu_s: float = 0.0     # hybrid: seconds computing them (on a thread of their own, beside the GPU's matmuls)
-    cpu_wait_s: float = 0.0  # hybrid: of those, seconds the graph waited for them (not hidden behind the GPU)
+    cpu_s: float = 0.0     # hybrid: seconds computing them (the copies of the step's other misses overlap it)
 
     @property
     def lookups(self) -> int:

@@ -35,7 +35,7 @@ struct llama_expert_hook_stats {
     double  provider_s;
     double  prefetch_s;
     int64_t lookup_steps;
-    int64_t deferred_steps;
+    int64_t whole_pool_steps;
 };
 
 struct llama_expert_pool_desc {
@@ -115,9 +115,8 @@ struct llama_expert_fast_path_stats {
     double   copy_s;
     int64_t  cpu_experts;
     double   cpu_s;
-    double   cpu_wait_s;
 };
-int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool defer);
+int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool whole_pool);
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);
 int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);

@@ -44,8 +44,8 @@ public:
     double get_upload_share() const { return upload_share; }
     bool has_tier() const { return tier != nullptr; }
 
-    // the slot lookup's deferred steps: true when every expert of the layer is in the pool and no copy is
-    // pending, so a step of that layer is all hits whatever its ids; pool_slot: the pool's slot of an expert
+    // whole-pool graphs: true when every expert of the layer is in the pool and no copy is pending, so a step
+    // of that layer is all hits whatever its ids; pool_slot: the pool's slot of an expert
     bool holds_layer(int32_t layer, int32_t n_expert) const {
         return !copies_pending && llama_expert_policy_layer_size(pool, layer) >= n_expert;
     }

@@ -12,58 +12,6 @@
 #include <algorithm>
 #include <cstring>
 
-llama_expert_background::llama_expert_background() : thread([this]() { run(); }) {}
-
-llama_expert_background::~llama_expert_background() {
-    {
-        std::lock_guard<std::mutex> lock(mutex);
-        stopping = true;
-    }
-    changed.notify_all();
-    thread.join();
-}
-
-void llama_expert_background::start(std::function<bool(std::string &)> next) {
-    {
-        std::lock_guard<std::mutex> lock(mutex);
-        job    = std::move(next);
-        queued = true;
-        ok     = true;
-        failure.clear();
-    }
-    changed.notify_all();
-}
-
-bool llama_expert_background::wait(std::string & error) {
-    std::unique_lock<std::mutex> lock(mutex);
-    changed.wait(lock, [this]() { return !queued && !running; });
-    if (!ok) {
-        error = failure;
-    }
-    return ok;
-}
-
-void llama_expert_background::run() {
-    std::unique_lock<std::mutex> lock(mutex);
-    for (;;) {
-        changed.wait(lock, [this]() { return queued || stopping; });
-        if (!queued) {
-            return; // stopping, nothing left to run
-        }
-        auto current = std::move(job);
-        queued  = false;
-        running = true;
-        lock.unlock();
-        std::string error;
-        const bool done = current(error);
-        lock.lock();
-        running = false;
-        ok      = done;
-        failure = std::move(error);
-        changed.notify_all();
-    }
-}
-
 std::unique_ptr<llama_expert_cpu_experts> llama_expert_cpu_experts::create(int32_t n_threads, std::string & error) {
     std::unique_ptr<llama_expert_cpu_experts> cpu(new llama_expert_cpu_experts());
     cpu->threads = std::max(1, std::min(n_threads, (int32_t) GGML_MAX_N_THREADS));

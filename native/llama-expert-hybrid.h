@@ -7,13 +7,9 @@
 // gives the bits the full op gives for them.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 struct ggml_context;
@@ -38,31 +34,6 @@ struct llama_expert_cpu_row {
     int32_t      row;
     int32_t      token;
     const char * block;
-};
-
-// One background thread that runs one job at a time: hybrid's CPU rows, started by the remap op and waited for
-// by the join op, which the graph runs after the GPU's matmuls are queued, so the two overlap.
-class llama_expert_background {
-public:
-    llama_expert_background();
-    ~llama_expert_background();
-    llama_expert_background(const llama_expert_background &) = delete;
-    llama_expert_background & operator=(const llama_expert_background &) = delete;
-
-    // runs job on the thread; the previous job must have been waited for
-    void start(std::function<bool(std::string &)> job);
-    // waits for the job started last; false with its error when it failed; true when none is pending
-    bool wait(std::string & error);
-
-private:
-    void run();
-
-    std::mutex                        mutex;
-    std::condition_variable           changed;
-    std::function<bool(std::string &)> job;
-    bool                              queued = false, running = false, stopping = false, ok = true;
-    std::string                       failure;
-    std::thread                       thread; // last: started once the rest is initialized
 };
 
 class llama_expert_cpu_experts {

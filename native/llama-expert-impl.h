@@ -11,6 +11,7 @@
 #include <string>
 
 struct ggml_backend_sched;
+struct ggml_cgraph;
 struct ggml_context;
 struct ggml_tensor;
 struct llama_model;
@@ -29,7 +30,8 @@ void llama_expert_model_init(llama_model & model, const llama_model_loader & ml)
 bool llama_expert_decode_allowed(const llama_context & lctx, bool warmup);
 
 // context: true (and clears the flag) when the provider failed during the last graph compute
-bool llama_expert_take_failure(llama_expert_hook * hook);
+// after a ubatch's compute (sched, graph: the ubatch's): serves its whole-pool steps, then takes the failure flag
+bool llama_expert_take_failure(llama_expert_hook * hook, ggml_backend_sched * sched, ggml_cgraph * graph);
 
 // graph: reuse is only valid for the same hook state
 uint64_t llama_expert_hook_generation(const llama_expert_hook * hook);
@@ -39,7 +41,7 @@ struct llama_expert_remap {
     llama_expert_hook * hook = nullptr;
     ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
     // hybrid (llama_expert_hybrid_set): rows computed on the CPU [n_embd, n_expert_used, n_tokens], and per row
-    // where merge takes it from (k: the pool's, n_expert_used + k: the CPU's)
+    // where merge takes it from (k: the CPU's, n_expert_used + k: the pool's)
     ggml_tensor       * cpu_rows = nullptr;
     ggml_tensor       * pick     = nullptr;
 };

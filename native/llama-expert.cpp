@@ -61,8 +61,7 @@ struct llama_expert_layer_binding {
     ggml_tensor *        slot_map = nullptr;
     int32_t              n_used   = 0;
     std::vector<uint8_t> mapped; // per expert: given a slot in the current step
-    int32_t *            deferred_ids = nullptr; // pinned room for a deferred step's ids (hook->deferred_room)
-    int64_t              map_copied_at = -1;     // hook->syncs when the map's last copy was issued (-1: never)
+    ggml_tensor *        device_map = nullptr; // whole-pool graphs: I32 [1, n_expert] on the pool's device
 };
 
 // llama_expert_bench_replay_set's trace rows for the current request (benchmarks only)
@@ -97,15 +96,19 @@ struct llama_expert_hook {
     ggml_context_ptr        map_ctx;
     ggml_backend_buffer_ptr map_buf;
     std::unordered_map<const ggml_tensor *, llama_expert_layer_binding *> binding_of_map;
-    // deferred steps (llama_expert_slot_lookup_set's defer): layers wholly in the pool, remapped from their map
-    // as it stood; their ids are read back into deferred_buf (pinned, deferred_room ids per served layer) and
-    // served in graph order by flush_deferred at the next point that synchronizes
-    bool                    defer = false;
-    ggml_backend_buffer_ptr deferred_buf;
-    size_t                  deferred_room = 0;
-    std::vector<std::pair<llama_expert_layer_binding *, int32_t>> deferred; // (layer, n_tokens)
-    ggml_backend_t          deferred_backend = nullptr;
-    int64_t                 syncs = 0; // synchronizes of the lookup's backend here: copies issued before one are done
+
+    // whole-pool graphs (llama_expert_slot_lookup_set's whole_pool): while the pool holds every expert of every
+    // served layer, graphs look slots up on the pool's device in static maps (no split, no callback, no
+    // synchronize per layer) and copy each layer's ids into `ring`; serve_whole_pool serves those steps after
+    // the ubatch (the bookkeeping: they are all hits). See docs/hook.md.
+    bool                    whole_pool_allowed = false; // the setting
+    bool                    whole_pool = false;         // the maps are current and graphs built now use them
+    ggml_context_ptr        whole_pool_ctx;
+    ggml_backend_buffer_ptr whole_pool_buf;             // the bindings' device maps and the ring
+    ggml_tensor *           ring = nullptr;             // I32 [ring_per_layer * bindings]
+    int64_t                 ring_per_layer = 0;
+    std::vector<int32_t>    ring_host;
+    bool                    aborted = false; // the user's abort callback stopped this ubatch's compute
 
     // provider
     llama_expert_provider_fn provider = nullptr;
@@ -135,9 +138,7 @@ struct llama_expert_hook {
     std::unique_ptr<llama_expert_cpu_experts>           cpu;
     std::unordered_map<int32_t, llama_expert_cpu_layer> cpu_layers;
     int32_t                                             hybrid_max_tokens = 0;
-    std::vector<llama_expert_cpu_row>                   cpu_rows; // the current step's, remap op -> CPU job
-    std::unique_ptr<llama_expert_background>            cpu_job;  // computes them while the GPU runs the pool's rows
-    std::vector<float>                                  cpu_input, cpu_out; // the job's input and rows
+    std::vector<llama_expert_cpu_row>                   cpu_rows; // the current step's, remap op -> CPU op
 
     std::vector<int32_t> scratch_ids;
     std::vector<int32_t> scratch_router; // the slot lookup: the router's ids as read back (before a replay)
@@ -231,7 +232,9 @@ static bool abort_trampoline(void * data) {
     if (hook->failed.load()) {
         return true;
     }
-    return hook->user_abort ? hook->user_abort(hook->user_abort_data) : false;
+    const bool abort = hook->user_abort ? hook->user_abort(hook->user_abort_data) : false;
+    hook->aborted = hook->aborted || abort;
+    return abort;
 }
 
 bool llama_expert_decode_allowed(const llama_context & lctx, bool warmup) {
@@ -251,13 +254,15 @@ bool llama_expert_decode_allowed(const llama_context & lctx, bool warmup) {
     return true;
 }
 
-static bool flush_deferred(llama_expert_hook * hook);
+static void serve_whole_pool(llama_expert_hook * hook, ggml_backend_sched * sched, ggml_cgraph * graph);
+static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx);
 
-bool llama_expert_take_failure(llama_expert_hook * hook) {
+bool llama_expert_take_failure(llama_expert_hook * hook, ggml_backend_sched * sched, ggml_cgraph * graph) {
     if (hook == nullptr) {
         return false;
     }
-    flush_deferred(hook); // the ubatch's deferred steps: served (or found wrong) before the decode returns
+    serve_whole_pool(hook, sched, graph); // the ubatch's whole-pool steps, served before the decode returns
+    update_whole_pool(hook, hook->ctx);   // graphs from the next ubatch on: whole-pool when the pool holds all
     return hook->failed.exchange(false);
 }
 
@@ -367,39 +372,6 @@ static bool serve_step(llama_expert_hook * hook, const llama_expert_layer_bindin
     return true;
 }
 
-// hybrid, in the remap op: the step's CPU rows (hook->cpu_rows) start on the background thread, from a copy of
-// the FFN input (the graph may reuse its memory); then the wait for the copies serve() left running, and
-// (fill_pool) the start of the copies of the CPU's experts into their slots, which the next step waits for. The
-// join op (after the pool's matmuls are queued) waits for the rows, so the CPU's work overlaps the GPU's.
-static void start_cpu_rows(llama_expert_hook * hook, const llama_expert_layer_binding * b, const ggml_tensor * input,
-                           int32_t n_used) {
-    if (!hook->failed.load() && !hook->cpu_rows.empty()) {
-        const int64_t n_embd = input->ne[0], n_tokens = input->ne[1];
-        hook->cpu_input.resize((size_t) n_embd * n_tokens);
-        for (int64_t t = 0; t < n_tokens; ++t) {
-            memcpy(hook->cpu_input.data() + t * n_embd, (const char *) input->data + t * input->nb[1], n_embd * sizeof(float));
-        }
-        hook->cpu_out.resize((size_t) n_embd * n_used * n_tokens);
-        const llama_expert_cpu_layer * layer = &hook->cpu_layers.at(b->layer);
-        hook->cpu_job->start([hook, layer, n_embd](std::string & error) {
-            const auto started = std::chrono::steady_clock::now();
-            const bool ok = hook->cpu->compute(*layer, (const char *) hook->cpu_input.data(), n_embd * sizeof(float),
-                                               n_embd, hook->cpu_rows, hook->cpu_out.data(), error);
-            hook->fast->stats_mut().cpu_s += seconds_since(started); // read after the join's wait
-            return ok;
-        });
-    }
-    std::string error;
-    if (hook->fast && !hook->fast->finish_copies(error)) {
-        hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
-        hook->failed = true;
-    }
-    if (hook->fast && !hook->failed.load() && !hook->fast->start_copies_behind(error)) {
-        hook->set_error(error);
-        hook->failed = true;
-    }
-}
-
 // CPU custom op: selected expert ids -> provider -> slot ids. Runs on one thread (n_tasks = 1).
 static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
@@ -413,28 +385,21 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int32_t n_tokens = (int32_t) sel->ne[1];
     const size_t  n        = (size_t) n_used * n_tokens;
     int32_t * out = (int32_t *) dst->data; // contiguous [n_used, n_tokens] slot ids, then (split) as many picks
-    const bool split = dst->ne[2] == 2;     // hybrid: this graph computes rows on the CPU too (src[1]: their input)
+    const bool split = dst->ne[2] == 2;     // hybrid: this graph computes rows on the CPU too
 
     // fail closed: after a failure every later layer gets slot 0 and the abort callback stops compute
     std::fill(out, out + n, 0);
     for (size_t i = 0; split && i < n; ++i) {
-        out[n + i] = (int32_t) (i % n_used); // the pool's row
+        out[n + i] = n_used + (int32_t) (i % n_used); // the pool's row
     }
     hook->cpu_rows.clear();
-    const bool served = !hook->failed.load() && flush_deferred(hook) &&
-                        take_ids(hook, b, (const char *) sel->data, sel->nb[0], sel->nb[1], n_used, n_tokens) &&
-                        serve_step(hook, b, n_used, n_tokens, split && hook->cpu ? &hook->cpu_rows : nullptr);
-    if (served) {
-        std::copy(hook->scratch_slots.begin(), hook->scratch_slots.end(), out);
-        for (const auto & row : hook->cpu_rows) {
-            out[n + row.row] = n_used + row.row % n_used; // the CPU's row
-        }
-    }
-    if (split) {
-        start_cpu_rows(hook, b, dst->src[1], n_used);
-    }
-    if (!served || split) {
+    if (hook->failed.load() || !take_ids(hook, b, (const char *) sel->data, sel->nb[0], sel->nb[1], n_used, n_tokens) ||
+            !serve_step(hook, b, n_used, n_tokens, split && hook->cpu ? &hook->cpu_rows : nullptr)) {
         return;
+    }
+    std::copy(hook->scratch_slots.begin(), hook->scratch_slots.end(), out);
+    for (const auto & row : hook->cpu_rows) {
+        out[n + row.row] = row.row % n_used; // the CPU's row
     }
 
     // lookahead: src[1 + d] is the top-k of the router of b->ahead[d] applied to this layer's FFN input
@@ -454,50 +419,38 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
-static bool lookup_fail(llama_expert_hook * hook, const llama_expert_layer_binding * b, const std::string & why) {
-    hook->set_error("layer " + std::to_string(b->layer) + ": slot lookup: " + why);
-    hook->failed = true;
-    return false;
-}
-
-// Slot lookup: the router's ids that the split's get_rows (the one reading the map copied into dst) looks up,
-// [n_used * n_tokens] contiguous, computed in an earlier split. Null (hook failed) when the graph is not so.
-static const ggml_tensor * lookup_ids(llama_expert_hook * hook, const llama_expert_layer_binding * b,
-                                      const ggml_tensor * dst, ggml_cgraph * graph) {
+// Slot lookup: one step served where the scheduler copies the layer's slot map into its GPU split. The ids come
+// from the split's get_rows that reads the map (computed in an earlier split, so complete once the backend is
+// synchronized); the map's entries of the step's experts get their slots. False (hook failed) on any failure.
+static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
+                        const ggml_tensor * dst, ggml_cgraph * graph, int32_t * map) {
+    auto fail = [&](const std::string & why) { // built only on failure: this runs per layer and token
+        hook->set_error("layer " + std::to_string(b->layer) + ": slot lookup: " + why);
+        hook->failed = true;
+        return false;
+    };
     const ggml_tensor * lookup = nullptr;
     for (int i = 0; i < ggml_graph_n_nodes(graph) && lookup == nullptr; ++i) {
         const ggml_tensor * node = ggml_graph_node(graph, i);
         lookup = node->op == GGML_OP_GET_ROWS && node->src[0] == dst ? node : nullptr;
     }
     if (lookup == nullptr || b->n_used < 1 || ggml_nelements(lookup->src[1]) % b->n_used != 0) {
-        lookup_fail(hook, b, "its get_rows is not in the split the map is copied into");
-        return nullptr;
+        return fail("its get_rows is not in the split the map is copied into");
     }
-    const ggml_tensor * sel = lookup->src[1];
+    const ggml_tensor * sel = lookup->src[1]; // the router's ids, [n_used * n_tokens] contiguous
     if (strchr(sel->name, '#') != nullptr) { // the scheduler's name for a copy into this split: maybe not made yet
-        lookup_fail(hook, b, std::string("the experts' ids come from another backend (") + sel->name + ")");
-        return nullptr;
+        return fail(std::string("the experts' ids come from another backend (") + sel->name + ")");
     }
     for (int i = 0; i < ggml_graph_n_nodes(graph); ++i) {
         const ggml_tensor * node = ggml_graph_node(graph, i);
         if (node == sel || node == sel->view_src) {
-            lookup_fail(hook, b, "the experts are selected in the same split as their lookup (no split boundary)");
-            return nullptr;
+            return fail("the experts are selected in the same split as their lookup (no split boundary)");
         }
     }
-    return sel;
-}
-
-// Slot lookup: one step served where the scheduler copies the layer's slot map into its GPU split: the ids
-// (complete once the backend is synchronized) read back, the step served, the map's entries of the step's
-// experts given their slots. False (hook failed) on any failure.
-static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
-                        const ggml_tensor * sel, int32_t * map) {
     const int32_t n_used = b->n_used, n_tokens = (int32_t) (ggml_nelements(sel) / n_used);
     hook->scratch_router.resize((size_t) n_used * n_tokens);
     ggml_backend_tensor_get_async(backend, sel, hook->scratch_router.data(), 0, ggml_nbytes(sel));
     ggml_backend_synchronize(backend);
-    hook->syncs++;
     if (!take_ids(hook, b, (const char *) hook->scratch_router.data(), sizeof(int32_t), n_used * sizeof(int32_t), n_used,
                   n_tokens) ||
             !serve_step(hook, b, n_used, n_tokens, nullptr)) {
@@ -507,9 +460,9 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
     b->mapped.assign(b->n_expert, 0);
     for (size_t i = 0; i < hook->scratch_router.size(); ++i) {
         const int32_t expert = hook->scratch_router[i], slot = hook->scratch_slots[i];
-        if (b->mapped[expert] && map[expert] != slot) { // built only on failure: this runs per layer and token
-            return lookup_fail(hook, b, "expert " + std::to_string(expert) + " would need two slots in one step (" +
-                                        std::to_string(map[expert]) + " and " + std::to_string(slot) + ")");
+        if (b->mapped[expert] && map[expert] != slot) {
+            return fail("expert " + std::to_string(expert) + " would need two slots in one step (" +
+                        std::to_string(map[expert]) + " and " + std::to_string(slot) + ")");
         }
         map[expert] = slot;
         b->mapped[expert] = 1;
@@ -518,70 +471,8 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
     return true;
 }
 
-// Slot lookup, deferred: when the pool holds every expert of the layer (and hybrid is off), the step is all
-// hits whatever its ids, so it need not wait for them: the whole map is written from the pool's policy, the
-// ids are read back asynchronously into pinned memory, and flush_deferred serves the step later, in order.
-// False when this step cannot be deferred (then it is served now); true when deferred.
-static bool defer_step(llama_expert_hook * hook, llama_expert_layer_binding * b, ggml_backend_t backend,
-                       const ggml_tensor * sel, int32_t * map) {
-    const size_t n_ids = (size_t) ggml_nelements(sel);
-    if (!hook->defer || !hook->fast || hook->cpu || b->deferred_ids == nullptr || n_ids > hook->deferred_room ||
-            !hook->fast->holds_layer(b->layer, b->n_expert)) {
-        return false;
-    }
-    if (b->map_copied_at == hook->syncs) {
-        return false; // the map's last copy may still be reading it: served now (a synchronize, then the write)
-    }
-    for (int32_t expert = 0; expert < b->n_expert; ++expert) {
-        const int32_t slot = hook->fast->pool_slot(b->layer, expert);
-        if (slot < 0 || slot >= hook->n_slots) {
-            return false; // not wholly resident after all: served now, with its checks
-        }
-        map[expert] = slot; // under a routing replay: the router's own experts (resident too), see docs/hook.md
-    }
-    ggml_backend_tensor_get_async(backend, sel, b->deferred_ids, 0, n_ids * sizeof(int32_t));
-    hook->deferred.emplace_back(b, (int32_t) (n_ids / b->n_used));
-    hook->deferred_backend = backend;
-    hook->stats.lookup_steps++;
-    hook->stats.deferred_steps++;
-    return true;
-}
-
-// The deferred steps, in graph order, once their ids are in: each goes through the step every lookup takes
-// (replay, native hot path, slot checks), which must find all of its experts in the pool. Called where the
-// next step may miss, by the remap op, and when the ubatch's compute returns. False (hook failed) on any
-// failure, or when the hook had failed (the steps are then dropped, as later steps are on a failure).
-static bool flush_deferred(llama_expert_hook * hook) {
-    if (hook->deferred.empty()) {
-        return !hook->failed.load();
-    }
-    ggml_backend_synchronize(hook->deferred_backend);
-    hook->syncs++;
-    std::vector<std::pair<llama_expert_layer_binding *, int32_t>> steps;
-    steps.swap(hook->deferred);
-    for (const auto & [b, n_tokens] : steps) {
-        if (hook->failed.load()) {
-            return false;
-        }
-        const int64_t misses = hook->fast->stats().cache_misses, calls = hook->stats.provider_calls;
-        if (!take_ids(hook, b, (const char *) b->deferred_ids, sizeof(int32_t), b->n_used * sizeof(int32_t), b->n_used,
-                      n_tokens) ||
-                !serve_step(hook, b, b->n_used, n_tokens, nullptr)) {
-            return false;
-        }
-        if (hook->fast->stats().cache_misses != misses || hook->stats.provider_calls != calls) {
-            return lookup_fail(hook, b, "a deferred step was not all hits (its layer was wholly in the pool when it "
-                                        "was computed); the decode is failed");
-        }
-    }
-    steps.clear();
-    hook->deferred.swap(steps); // keep the capacity
-    return !hook->failed.load();
-}
-
-// The scheduler's copy callback: the copy of a slot map into its split runs the step (deferred, or served now
-// after the deferred ones) and copies the map asynchronously (the next write to this map comes after a later
-// synchronize). Other inputs: not ours.
+// The scheduler's copy callback: the copy of a slot map into its split runs the step (lookup_step) and copies the
+// map asynchronously (the next write to this map comes after a later synchronize). Other inputs: not ours.
 static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, ggml_cgraph * graph,
                         void * user_data) {
     llama_expert_hook * hook = ((llama_context *) user_data)->expert_hook.get();
@@ -594,41 +485,17 @@ static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_te
     }
     llama_expert_layer_binding * b = it->second;
     auto * map = (int32_t *) src->data;
-    const ggml_tensor * sel = hook->failed.load() ? nullptr : lookup_ids(hook, b, dst, graph);
-    const bool served = sel != nullptr && (defer_step(hook, b, backend, sel, map) ||
-                                           (flush_deferred(hook) && lookup_step(hook, b, backend, sel, map)));
-    if (!served) {
+    if (hook->failed.load() || !lookup_step(hook, b, backend, dst, graph, map)) {
         std::fill(map, map + b->n_expert, 0); // fail closed: slot 0, and the decode reports the failure
     }
     ggml_backend_tensor_set_async(backend, dst, map, 0, ggml_nbytes(src));
-    b->map_copied_at = hook->syncs;
     return true;
 }
 
-// deferred steps' room: n_ids ids per served layer, in pinned memory of the pool's GPU (none there: no
-// deferral, as a read-back into pageable memory would wait). Only between computes (nothing deferred).
-static void reserve_deferred_room(llama_expert_hook * hook, size_t n_ids) {
-    if (hook->deferred_room >= n_ids || !hook->deferred.empty()) {
-        return;
-    }
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(hook->pool_buf.get()));
-    ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-    ggml_backend_buffer_ptr buf(host ? ggml_backend_buft_alloc_buffer(host, hook->bindings.size() * n_ids * sizeof(int32_t))
-                                     : nullptr);
-    if (!buf) {
-        return;
-    }
-    auto * base = (int32_t *) ggml_backend_buffer_get_base(buf.get());
-    for (size_t i = 0; i < hook->bindings.size(); ++i) {
-        hook->bindings[i]->deferred_ids = base + i * n_ids;
-    }
-    hook->deferred_buf  = std::move(buf);
-    hook->deferred_room = n_ids;
-}
-
-// CPU custom op (hybrid), in the graph after the pool's matmuls: waits for the CPU's rows (start_cpu_rows) and
-// writes them into dst, [n_embd, n_used, n_tokens] (rows not computed on the CPU: not picked by the merge).
-static void cpu_rows_join_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+// CPU custom op (hybrid): the rows the remap op left in RAM, computed on the CPU; then the wait for the
+// copies the remap op left running (they overlap the CPU's work), and (fill_pool) the start of the copies of
+// the CPU's experts into their slots, which the next step waits for. Runs right after the remap op.
+static void cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
         return;
@@ -636,16 +503,24 @@ static void cpu_rows_join_op(ggml_tensor * dst, int ith, int nth, void * userdat
     auto * b    = (llama_expert_layer_binding *) userdata;
     auto * hook = b->hook;
     std::string error;
-    const auto started = std::chrono::steady_clock::now();
-    if (!hook->cpu_job->wait(error)) {
+    if (!hook->failed.load() && !hook->cpu_rows.empty()) {
+        const ggml_tensor * input = dst->src[1]; // [n_embd, n_tokens] F32
+        const auto started = std::chrono::steady_clock::now();
+        const bool ok = hook->cpu->compute(hook->cpu_layers.at(b->layer), (const char *) input->data, input->nb[1],
+                                           input->ne[0], hook->cpu_rows, (float *) dst->data, error);
+        hook->fast->stats_mut().cpu_s += seconds_since(started);
+        if (!ok) {
+            hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
+            hook->failed = true;
+        }
+    }
+    if (hook->fast && !hook->fast->finish_copies(error)) {
         hook->set_error("layer " + std::to_string(b->layer) + ": " + error);
         hook->failed = true;
     }
-    if (hook->fast) {
-        hook->fast->stats_mut().cpu_wait_s += seconds_since(started);
-    }
-    if (!hook->failed.load() && !hook->cpu_rows.empty() && hook->cpu_out.size() == (size_t) ggml_nelements(dst)) {
-        memcpy(dst->data, hook->cpu_out.data(), ggml_nbytes(dst));
+    if (hook->fast && !hook->failed.load() && !hook->fast->start_copies_behind(error)) {
+        hook->set_error(error);
+        hook->failed = true;
     }
 }
 
@@ -653,8 +528,7 @@ static void cpu_rows_join_op(ggml_tensor * dst, int ith, int nth, void * userdat
 static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_binding * binding, const ggml_tensor * selected,
                          const ggml_tensor * ffn_input, int ffn_op, bool weight_before_ffn,
                          std::initializer_list<ggml_tensor *> expert_extras) {
-    if (!hook->cpu || hook->prefetch != nullptr || selected->ne[1] > hook->hybrid_max_tokens || weight_before_ffn ||
-            ffn_input == nullptr ||
+    if (!hook->cpu || selected->ne[1] > hook->hybrid_max_tokens || weight_before_ffn || ffn_input == nullptr ||
             ffn_input->type != GGML_TYPE_F32 || ffn_input->nb[0] != sizeof(float) || ffn_input->ne[1] != selected->ne[1]) {
         return -1;
     }
@@ -671,6 +545,119 @@ static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_bind
         return hook->model->hparams.swiglu_clamp_exp[binding->layer] > 1e-6f ? -1 : GGML_GLU_OP_SWIGLU;
     }
     return ffn_op == LLM_FFN_GELU ? GGML_GLU_OP_GEGLU : -1;
+}
+
+// --- whole-pool graphs --------------------------------------------------------------------------------------
+
+static const char * k_whole_pool_ids = "llamapack_whole_pool_ids-"; // + the layer: a layer's ids, copied into the ring
+
+// The ubatch's whole-pool steps (the ring copies in the graph just computed), served in graph order through
+// the step every other path takes (replay, native hot path, slot checks): the policy and the counters see what
+// they would have seen. Each must be all hits (the pool held every expert when the graph was built, and only
+// steps change it); one that is not fails the decode and ends whole-pool graphs.
+static void serve_whole_pool(llama_expert_hook * hook, ggml_backend_sched * sched, ggml_cgraph * graph) {
+    const bool aborted = hook->aborted;
+    hook->aborted = false;
+    if (!hook->whole_pool || graph == nullptr || hook->failed.load() || aborted) {
+        return; // an aborted ubatch's results are dropped, and so are its steps (some layers never ran)
+    }
+    const size_t prefix = strlen(k_whole_pool_ids);
+    std::vector<std::pair<llama_expert_layer_binding *, const ggml_tensor *>> steps;
+    size_t end = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); ++i) {
+        const ggml_tensor * node = ggml_graph_node(graph, i);
+        if (strncmp(node->name, k_whole_pool_ids, prefix) != 0) {
+            continue;
+        }
+        const int32_t layer = atoi(node->name + prefix);
+        for (auto & b : hook->bindings) {
+            if (b->layer == layer) {
+                steps.emplace_back(b.get(), node);
+                end = std::max(end, (size_t) (node->view_offs / sizeof(int32_t) + ggml_nelements(node)));
+            }
+        }
+    }
+    if (steps.empty()) {
+        return;
+    }
+    ggml_backend_sched_synchronize(sched);
+    hook->ring_host.resize(end);
+    ggml_backend_tensor_get(hook->ring, hook->ring_host.data(), 0, end * sizeof(int32_t));
+    for (const auto & [b, node] : steps) {
+        const int32_t n_used = b->n_used, n_tokens = (int32_t) (ggml_nelements(node) / n_used);
+        const int32_t * ids = hook->ring_host.data() + node->view_offs / sizeof(int32_t);
+        const int64_t misses = hook->fast->stats().cache_misses, calls = hook->stats.provider_calls;
+        if (!take_ids(hook, b, (const char *) ids, sizeof(int32_t), n_used * sizeof(int32_t), n_used, n_tokens) ||
+                !serve_step(hook, b, n_used, n_tokens, nullptr)) {
+            break;
+        }
+        if (hook->fast->stats().cache_misses != misses || hook->stats.provider_calls != calls) {
+            hook->set_error("layer " + std::to_string(b->layer) + ": a whole-pool step was not all hits (the pool held "
+                            "every expert when its graph was built); the decode is failed");
+            hook->failed = true;
+            break;
+        }
+        hook->stats.whole_pool_steps++;
+    }
+    if (hook->failed.load()) {
+        hook->whole_pool = false; // graphs from now on: the lookup or the op
+        hook->generation++;
+    }
+}
+
+// After a ubatch: when whole-pool graphs are allowed and now possible (the native hot path on, no hybrid, no
+// lookahead, the pool holding every expert of every served layer), write each layer's device map from the
+// pool's policy and have graphs rebuilt. The maps stay right while the pool holds every expert: nothing is then
+// loaded or evicted.
+static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
+    if (hook->whole_pool || !hook->whole_pool_allowed || !hook->fast || hook->cpu || hook->prefetch != nullptr ||
+            hook->failed.load() || hook->bindings.empty() || ctx == nullptr) {
+        return;
+    }
+    for (const auto & b : hook->bindings) {
+        if (!hook->fast->holds_layer(b->layer, b->n_expert)) {
+            return;
+        }
+    }
+    const int64_t per_layer = (int64_t) hook->model->hparams.n_expert_used_max() * llama_n_ubatch(ctx);
+    if (!hook->whole_pool_buf || hook->ring_per_layer < per_layer) {
+        ggml_init_params params = {
+            /*.mem_size   =*/ (hook->bindings.size() + 1) * ggml_tensor_overhead(),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
+        ggml_context_ptr whole_ctx(ggml_init(params));
+        for (auto & b : hook->bindings) {
+            b->device_map = ggml_new_tensor_2d(whole_ctx.get(), GGML_TYPE_I32, 1, b->n_expert);
+            ggml_format_name(b->device_map, "llamapack_device_map-%d", b->layer);
+        }
+        ggml_tensor * ring = ggml_new_tensor_1d(whole_ctx.get(), GGML_TYPE_I32, per_layer * (int64_t) hook->bindings.size());
+        ggml_set_name(ring, "llamapack_whole_pool_ring");
+        ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(
+                whole_ctx.get(), ggml_backend_buffer_get_type(hook->pool_buf.get())));
+        if (!buf) {
+            LLAMA_LOG_WARN("llamapack: no room for whole-pool graphs' maps on the pool's device; keeping the slot lookup\n");
+            hook->whole_pool_allowed = false;
+            return;
+        }
+        hook->whole_pool_ctx = std::move(whole_ctx);
+        hook->whole_pool_buf = std::move(buf);
+        hook->ring           = ring;
+        hook->ring_per_layer = per_layer;
+    }
+    std::vector<int32_t> slots;
+    for (const auto & b : hook->bindings) {
+        slots.resize(b->n_expert);
+        for (int32_t expert = 0; expert < b->n_expert; ++expert) {
+            slots[expert] = hook->fast->pool_slot(b->layer, expert);
+            if (slots[expert] < 0 || slots[expert] >= hook->n_slots) {
+                return; // not whole after all: stay as we are
+            }
+        }
+        ggml_backend_tensor_set(b->device_map, slots.data(), 0, slots.size() * sizeof(int32_t));
+    }
+    hook->whole_pool = true;
+    hook->generation++; // graphs are rebuilt with the static maps
 }
 
 // slot lookup: the backend of the pool's GPU when this step can be remapped by a lookup (see
@@ -739,6 +726,20 @@ llama_expert_remap llama_expert_remap_build(
     const int32_t glu = split_glu(hook, binding, selected_experts, ffn_input, ffn_op, weight_before_ffn, expert_extras);
     const int64_t n_used = selected_experts->ne[0], n_tokens = selected_experts->ne[1];
     remap.hook = hook;
+    if (hook->whole_pool && glu < 0 && hook->prefetch == nullptr && n_used * n_tokens <= hook->ring_per_layer) {
+        // whole pool: slots = device map[router id] on the pool's device; the ids also go to this layer's part of
+        // the ring, for the bookkeeping after the ubatch (serve_whole_pool)
+        ggml_tensor * ids  = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
+        const size_t  at   = (size_t) binding->position * hook->ring_per_layer * sizeof(int32_t);
+        ggml_tensor * kept = ggml_cpy(ctx, ggml_reshape_1d(ctx, ids, n_used * n_tokens),
+                                      ggml_view_1d(ctx, hook->ring, n_used * n_tokens, at));
+        ggml_format_name(kept, "%s%d", k_whole_pool_ids, binding->layer);
+        ggml_tensor * slots = ggml_get_rows(ctx, binding->device_map, kept);
+        ggml_format_name(slots, "llamapack_whole_pool_slots-%d", binding->layer);
+        binding->n_used = (int32_t) n_used;
+        remap.ids = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
+        return remap;
+    }
     if (ggml_backend_t backend = glu < 0 ? lookup_backend(hook, binding, sched, n_tokens) : nullptr) {
         // slot ids = map[router id], on the GPU; the scheduler's copy of the map into this split runs the step
         ggml_tensor * ids = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
@@ -748,16 +749,9 @@ llama_expert_remap llama_expert_remap_build(
             ggml_backend_sched_set_tensor_backend(sched, slots, backend);
             ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx);
             binding->n_used = (int32_t) n_used;
-            if (hook->defer) {
-                reserve_deferred_room(hook, (size_t) n_used * hook->lookup_max_tokens);
-            }
             remap.ids = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
             return remap;
         }
-    }
-    if (glu >= 0) {
-        args[1] = ffn_input; // the CPU rows' input (split_glu: no lookahead with hybrid)
-        n_args  = 2;
     }
     remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, glu >= 0 ? 2 : 1, 1, args, n_args, remap_op, 1, binding);
     ggml_format_name(remap.ids, "llamapack_slot_ids-%d", binding->layer);
@@ -766,9 +760,8 @@ llama_expert_remap llama_expert_remap_build(
         ggml_tensor * both = remap.ids;
         remap.ids  = ggml_view_2d(ctx, both, n_used, n_tokens, both->nb[1], 0);
         remap.pick = ggml_view_2d(ctx, both, n_used, n_tokens, both->nb[1], both->nb[2]);
-        ggml_tensor * srcs[1] = { both }; // on the CPU: no input from the GPU, so no synchronize before it
-        remap.cpu_rows = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn_input->ne[0], n_used, n_tokens, 1, srcs, 1,
-                                        cpu_rows_join_op, 1, binding);
+        ggml_tensor * srcs[2] = { both, ffn_input };
+        remap.cpu_rows = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn_input->ne[0], n_used, n_tokens, 1, srcs, 2, cpu_rows_op, 1, binding);
         ggml_format_name(remap.cpu_rows, "llamapack_cpu_rows-%d", binding->layer);
     }
     return remap;
@@ -778,10 +771,9 @@ ggml_tensor * llama_expert_remap_merge(const llama_expert_remap * remap, ggml_co
     if (remap == nullptr || remap->cpu_rows == nullptr) {
         return experts;
     }
-    // the pool's rows first, so that the graph queues the pool's matmuls before the join op (the graph is
-    // ordered depth-first, left to right) and the CPU's work overlaps them: [n_embd, 2 n_used, n_tokens], then
-    // row pick[k, t] of each token's slice
-    ggml_tensor * both = ggml_concat(ctx, experts, remap->cpu_rows, 1);
+    // the CPU's rows first, so that the graph computes them (right after the remap op, in its CPU split)
+    // before the pool's matmuls: [n_embd, 2 n_used, n_tokens], then row pick[k, t] of each token's slice
+    ggml_tensor * both = ggml_concat(ctx, remap->cpu_rows, experts, 1);
     return ggml_get_rows(ctx, both, remap->pick);
 }
 
@@ -999,9 +991,11 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
     hook->binding_of  = std::move(binding_of);
     hook->bindings    = std::move(bindings);
     hook->fast.reset(); // it points into the old pool
-    hook->deferred.clear(); // nothing is deferred between computes; the room is per binding
-    hook->deferred_buf.reset();
-    hook->deferred_room = 0;
+    hook->whole_pool = false; // the maps and the ring belong to the old bindings
+    hook->whole_pool_buf.reset();
+    hook->whole_pool_ctx.reset();
+    hook->ring = nullptr;
+    hook->ring_per_layer = 0;
     hook->replay.reset();
     hook->generation++;
     hook->failed = false;
@@ -1036,6 +1030,7 @@ int32_t llama_expert_prefetch_set(llama_context * ctx, llama_expert_prefetch_fn 
     hook->prefetch_data  = user_data;
     hook->prefetch_depth = depth;
     hook->generation++; // the graph gains or loses the lookahead ops
+    hook->whole_pool = false;
     llama_expert_access::need_reserve(*ctx);
     return 0;
 }
@@ -1054,19 +1049,20 @@ void llama_expert_detach(llama_context * ctx) {
     fresh->model      = hook->model;
     fresh->ctx        = ctx;
     fresh->generation = hook->generation + 1;
-    fresh->lookup_max_tokens = hook->lookup_max_tokens; // settings of the context, not of the pool
-    fresh->defer             = hook->defer;
+    fresh->lookup_max_tokens  = hook->lookup_max_tokens; // settings of the context, not of the pool
+    fresh->whole_pool_allowed = hook->whole_pool_allowed;
     hook = std::move(fresh);
 }
 
-int32_t llama_expert_slot_lookup_set(llama_context * ctx, int32_t max_tokens, bool defer) {
+int32_t llama_expert_slot_lookup_set(llama_context * ctx, int32_t max_tokens, bool whole_pool) {
     llama_expert_hook * hook = hook_of(ctx);
     if (max_tokens < 0) {
         hook->set_error("slot lookup: max_tokens " + std::to_string(max_tokens) + " is negative");
         return -1;
     }
-    hook->lookup_max_tokens = max_tokens;
-    hook->defer             = defer;
+    hook->lookup_max_tokens  = max_tokens;
+    hook->whole_pool_allowed = whole_pool;
+    hook->whole_pool         = false; // on again (if allowed) after the next ubatch
     hook->generation++; // graphs built from now on choose between the lookup and the op
     llama_expert_access::need_reserve(*ctx);
     return 0;
@@ -1074,6 +1070,11 @@ int32_t llama_expert_slot_lookup_set(llama_context * ctx, int32_t max_tokens, bo
 
 int32_t llama_expert_fast_path_set(llama_context * ctx, const llama_expert_fast_path_desc * desc) {
     llama_expert_hook * hook = hook_of(ctx);
+    if (hook->whole_pool) {
+        hook->whole_pool = false; // the maps come from the fast path's policy: written again after a ubatch
+        hook->generation++;
+        llama_expert_access::need_reserve(*ctx);
+    }
     if (desc == nullptr) {
         hook->fast.reset();
         return 0;
@@ -1107,6 +1108,7 @@ int32_t llama_expert_fast_path_stats_get(const llama_context * ctx, llama_expert
 int32_t llama_expert_hybrid_set(llama_context * ctx, const llama_expert_hybrid_desc * desc) {
     llama_expert_hook * hook = hook_of(ctx);
     hook->generation++; // the graph gains or loses the CPU ops
+    hook->whole_pool = false;
     llama_expert_access::need_reserve(*ctx);
     if (desc == nullptr) {
         hook->cpu.reset();
@@ -1156,9 +1158,6 @@ int32_t llama_expert_hybrid_set(llama_context * ctx, const llama_expert_hybrid_d
         return -1;
     }
     hook->cpu = std::move(cpu);
-    if (!hook->cpu_job) {
-        hook->cpu_job = std::make_unique<llama_expert_background>();
-    }
     hook->cpu_layers = std::move(layers);
     hook->hybrid_max_tokens = desc->max_tokens;
     hook->fast->set_upload_share(desc->upload_share, desc->fill_pool != 0);

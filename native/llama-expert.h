@@ -124,12 +124,14 @@ LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);
 // and no CPU graph. Layers the op must serve keep it: router lookahead on, a hybrid split, a host pool, a GPU
 // that reads host memory in place (integrated), or, while a routing replay is set, ubatches of more than one
 // token. A step that would give one expert two slots fails the decode. Graphs built from now on use it.
-// defer (API 9): with the native hot path and no hybrid, a lookup step of a layer whose experts are all in the
-// pool does not wait for the ids: the map is written whole from the pool's policy and copied, and the ids are
-// read back asynchronously (pinned memory); such steps are served in order (same bookkeeping, decisions and
-// counters) at the next point that synchronizes: a step that may miss, a remap op, the end of the ubatch. A
-// deferred step that turns out not to be all hits fails the decode.
-LLAMA_EXPERT_API int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool defer);
+// whole_pool (API 9): with the native hot path, no hybrid and no lookahead, once the pool holds every expert of
+// every served layer (checked after each ubatch), graphs are rebuilt to look slots up on the pool's device in
+// static maps written from the pool's policy: no split, no callback, no synchronize per layer, on a GPU or a host
+// pool, for ubatches of any size. Each layer's ids are also copied into a ring on that device, and the steps
+// are served from it in graph order after the ubatch (same bookkeeping, decisions and counters); one that is
+// not all hits fails the decode and ends whole-pool graphs. Under a routing replay the kernels read the
+// router's own experts (all resident), the bookkeeping the replayed ones.
+LLAMA_EXPERT_API int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool whole_pool);
 // Wall time inside the provider and prefetch callbacks as seen from libllama (since the pool was last
 // attached): the gap to the callbacks' own timing is the cost of entering them (for Python: the GIL).
 struct llama_expert_hook_stats {
@@ -138,7 +140,7 @@ struct llama_expert_hook_stats {
     double  provider_s;
     double  prefetch_s;
     int64_t lookup_steps;   // steps served through the slot lookup (llama_expert_slot_lookup_set)
-    int64_t deferred_steps; // of those, steps whose ids were read back without waiting (defer)
+    int64_t whole_pool_steps; // steps served after their ubatch from whole-pool graphs (whole_pool)
 };
 LLAMA_EXPERT_API int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.
@@ -234,8 +236,7 @@ struct llama_expert_fast_path_stats {
     double   seconds;     // wall time serving them (copies included)
     double   copy_s;      // issuing the copies and waiting for them
     int64_t  cpu_experts; // hybrid: (step, expert) pairs computed on the CPU from RAM blocks (counted in ram_hits)
-    double   cpu_s;       // hybrid: wall time computing them (on a thread of its own, beside the GPU's work)
-    double   cpu_wait_s;  // hybrid: of that, the time the graph waited for them (not hidden behind the GPU)
+    double   cpu_s;       // hybrid: wall time computing them
 };
 
 // desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).

@@ -174,26 +174,29 @@ def test_oppath_runs_the_remap_op_instead_of_the_slot_lookup():
         StreamingSettings(slot_lookup_max_tokens=-1)
 
 
-def test_nodefer_makes_every_lookup_step_wait_for_its_ids():
+def test_nowhole_keeps_the_lookup_when_the_pool_holds_every_expert():
     from llamapack.bench.worker import lookup_option
 
-    nodefer = parse_config("pack-100%+ram+preload+nodefer", 16)
-    assert (nodefer.lookup_defer, nodefer.slot_lookup, parse_config("pack-100%", 16).lookup_defer) == (False, True, True)
-    for name in ("vanilla-vram+nodefer", "pack-25%+oppath+nodefer"):
-        with pytest.raises(ValueError, match="nodefer .* setting of the slot lookup"):
-            parse_config(name, 16)
+    nowhole = parse_config("pack-100%+ram+preload+nowhole", 16)
+    assert (nowhole.whole_pool, nowhole.slot_lookup, parse_config("pack-100%", 16).whole_pool) == (False, True, True)
+    with pytest.raises(ValueError, match="nowhole .* is a llamapack setting"):
+        parse_config("vanilla-vram+nowhole", 16)
 
     class Old:
         def __init__(self, model_path, *, slot_lookup_max_tokens=32, **kwargs):
             pass
 
     class New(Old):
-        def __init__(self, model_path, *, slot_lookup_defer=True, **kwargs):
+        def __init__(self, model_path, *, whole_pool_graphs=True, **kwargs):
             pass
 
-    with pytest.raises(RuntimeError, match=r"\+nodefer needs llamapack.Llama to take slot_lookup_defer"):
-        lookup_option(Old, nodefer)  # never silently deferred
-    assert lookup_option(New, nodefer) == {"slot_lookup_defer": False}
+    with pytest.raises(RuntimeError, match=r"\+nowhole needs llamapack.Llama to take whole_pool_graphs"):
+        lookup_option(Old, nowhole)  # never silently whole-pool
+    assert lookup_option(New, nowhole) == {"whole_pool_graphs": False}
+    both = parse_config("pack-100%+oppath+nowhole", 16)
+    assert lookup_option(type("Both", (), {"__init__": lambda self, m, *, slot_lookup_max_tokens=32,
+                                           whole_pool_graphs=True: None}), both) == {
+        "slot_lookup_max_tokens": 0, "whole_pool_graphs": False}
 
 
 def test_hot_path_and_warm_start_tables():

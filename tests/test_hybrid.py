@@ -74,8 +74,7 @@ def test_hybrid_rows_on_the_cpu_give_vanillas_logits(preset, n_ubatch, mode, mod
         share = stats["hybrid"]["upload_share"]
         assert stats["cpu_experts"] == 0 if share == 1 else share > 0.5 or stats["cpu_experts"] > 0
     else:
-        assert stats["cpu_experts"] > 0 and stats["cpu_s"] > 0   # rows on the CPU (a thread of their own) ...
-        assert 0 < stats["cpu_wait_s"]  # ... joined after the pool's matmuls (the wait is timed apart)
+        assert stats["cpu_experts"] > 0 and stats["cpu_s"] > 0   # rows on the CPU ...
     assert stats["cache_hits"] > 0 and stats["native_steps"] > 0  # ... beside the pool's
     assert stats["cpu_experts"] < stats["ram_hits"]  # steps with an SSD read (Python's) copy their RAM hits
 

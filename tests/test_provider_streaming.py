@@ -470,7 +470,8 @@ def test_native_steps_count_towards_the_stats_files_interval(models, vanilla, tm
 @pytest.mark.parametrize("pool_preload", [True, False])
 def test_a_pool_of_every_expert_is_filled_at_start(pool_preload, models, vanilla, tmp_path):
     """pool_preload (the default): a pool with a slot for every expert loads them all before the first token, so
-    no step misses and every step is native; off, the pool fills as tokens ask. Logits equal vanilla's."""
+    no step misses and every step is native, and from the second ubatch on the graphs are whole-pool (static
+    maps, the steps served after each ubatch); off, the pool fills as tokens ask. Logits equal vanilla's."""
     from llamapack.synth import PRESETS as SPECS
 
     gguf, _ = models["qwen3moe-tiny"]
@@ -482,9 +483,31 @@ def test_a_pool_of_every_expert_is_filled_at_start(pool_preload, models, vanilla
     if pool_preload:
         assert stats["pool_preloaded"] == every_expert and stats["cache_misses"] == 0
         assert stats["native_steps"] == stats["acquires"] == (N_PROMPT + N_DECODE) * 4
+        assert stats["whole_pool_steps"] == stats["acquires"] - 4  # all but the first ubatch's 4 layers
+        assert stats["cache_hits"] == stats["acquires"] * 4  # top-4 of one token: 4 distinct experts a step
     else:
         assert stats["pool_preloaded"] == 0 and 0 < stats["cache_misses"] <= every_expert
         assert stats["native_steps"] < stats["acquires"]
+        assert stats["whole_pool_steps"] < stats["acquires"] - 4  # only once every expert was asked for
+
+
+@pytest.mark.parametrize("n_ubatch", [1, 7])
+def test_whole_pool_graphs_serve_the_same_steps_as_the_remap_op(n_ubatch, models, vanilla, tmp_path):
+    """The same run with whole-pool graphs and without (every step through the remap op): the same logits
+    (vanilla's), and the same counters and final residents (the policy saw the same steps in the same order)."""
+    from llamapack.synth import PRESETS as SPECS
+
+    gguf, _ = models["qwen3moe-tiny"]
+    every_expert = SPECS["qwen3moe-tiny"].n_expert * SPECS["qwen3moe-tiny"].n_layer
+    runs = {}
+    for whole in (True, False):
+        spec = dict(mode="llama", model=str(gguf), n_ubatch=n_ubatch, n_prompt=N_PROMPT, n_decode=N_DECODE,
+                    out=str(tmp_path / f"w{whole}.npy"), llama=dict(cache_slots=every_expert, whole_pool_graphs=whole))
+        runs[whole] = run_self(spec, tmp_path)["stats"]
+        assert np.array_equal(np.load(tmp_path / f"w{whole}.npy"), vanilla("qwen3moe-tiny", n_ubatch))
+    assert runs[True]["whole_pool_steps"] > 0 and runs[False]["whole_pool_steps"] == 0
+    same = ("acquires", "native_steps", "tokens", "cache_hits", "cache_misses", "cache_evictions")
+    assert {k: runs[True][k] for k in same} == {k: runs[False][k] for k in same}
 
 
 def test_a_pool_short_of_one_expert_is_not_filled_at_start(models, tmp_path):

@@ -40,8 +40,8 @@ class BenchConfig:
     every RAM-tier miss of a native step computed on the CPU; ``+hybridauto``; ``+hybridU%``: that upload share),
     llamapack runs with a RAM tier only. ``slot_lookup``: decode steps remapped by the slot lookup on the GPU
     (the default; ``+oppath`` runs every step through the CPU remap op instead, the "before" of the lookup).
-    ``lookup_defer``: lookup steps of layers wholly in the pool do not wait for the router's ids (the default;
-    ``+nodefer`` makes every lookup step wait, the "before" of the deferral).
+    ``whole_pool``: once the pool holds every expert, whole-pool graphs (static maps on the device, no split per
+    layer; the default; ``+nowhole`` keeps the slot lookup or the op, the "before").
     ``reference``: the run other runs' logits are compared with."""
 
     name: str
@@ -69,7 +69,7 @@ class BenchConfig:
     warm_start: bool = False
     hybrid: str | float = "off"
     slot_lookup: bool = True
-    lookup_defer: bool = True
+    whole_pool: bool = True
 
     def __post_init__(self):
         if self.hybrid != "off" and (self.source == VANILLA or (self.ram_fraction is None and not self.ram_auto)
@@ -86,9 +86,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: the cache policy is a llamapack setting")
         if not self.slot_lookup and self.source == VANILLA:
             raise ValueError(f"{self.name}: oppath (the CPU remap op instead of the slot lookup) is a llamapack setting")
-        if not self.lookup_defer and (self.source == VANILLA or not self.slot_lookup):
-            raise ValueError(f"{self.name}: nodefer (every slot lookup step waits for its ids) is a llamapack "
-                             "setting of the slot lookup (not with +oppath)")
+        if not self.whole_pool and self.source == VANILLA:
+            raise ValueError(f"{self.name}: nowhole (no whole-pool graphs) is a llamapack setting")
         if not self.native_hot_path and self.source == VANILLA:
             raise ValueError(f"{self.name}: pyhot (every step through the Python provider) is a llamapack setting")
         if self.warm_start and (self.source != PACK or self.own_routing or self.cache_policy != "next-use"):
@@ -197,9 +196,9 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
                 "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, +noverify, "
-                "+lfulru, +lru, +pyhot, +oppath, +nodefer, +warm, +hybrid, +hybridauto, +hybridU%, then @NG or @NM")
+                "+lfulru, +lru, +pyhot, +oppath, +nowhole, +warm, +hybrid, +hybridauto, +hybridU%, then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|oppath|nodefer|warm"
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|oppath|nowhole|warm"
                      r"|hybridauto|hybrid(?P<hshare>[\d.]+)%|hybrid)(?=\+|$)")
 
 
@@ -241,8 +240,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["native_hot_path"] = False
         elif option == "oppath":
             fields["slot_lookup"] = False
-        elif option == "nodefer":
-            fields["lookup_defer"] = False
+        elif option == "nowhole":
+            fields["whole_pool"] = False
         elif option == "warm":
             fields["warm_start"] = True
         elif option.startswith("hybrid"):

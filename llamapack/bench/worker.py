@@ -94,13 +94,13 @@ def hybrid_option(llama_class, config: BenchConfig) -> dict:
 
 
 def lookup_option(llama_class, config: BenchConfig) -> dict:
-    """``slot_lookup_max_tokens=0`` for ``+oppath``, ``slot_lookup_defer=False`` for ``+nodefer`` (an error when
+    """``slot_lookup_max_tokens=0`` for ``+oppath``, ``whole_pool_graphs=False`` for ``+nowhole`` (an error when
     this Llama lacks the setting); {} otherwise."""
     wanted = ({} if config.slot_lookup else dict(slot_lookup_max_tokens=0)) | (
-        {} if config.lookup_defer else dict(slot_lookup_defer=False))
+        {} if config.whole_pool else dict(whole_pool_graphs=False))
     for name in wanted:
         if name not in inspect.signature(llama_class.__init__).parameters:
-            raise RuntimeError(f"{config.name}: {'+oppath' if 'max' in name else '+nodefer'} needs llamapack.Llama "
+            raise RuntimeError(f"{config.name}: {'+oppath' if 'max' in name else '+nowhole'} needs llamapack.Llama "
                                f"to take {name}")
     return wanted
 
@@ -117,7 +117,7 @@ COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_by
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
                   "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
                   "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s",
-                  "cpu_experts", "cpu_s", "cpu_wait_s", "lookup_steps", "deferred_steps")
+                  "cpu_experts", "cpu_s", "lookup_steps", "whole_pool_steps")
 
 
 def delta(after: dict, before: dict) -> dict:

@@ -64,10 +64,10 @@ class StreamingSettings:
     lookup on the GPU, whose step runs where the scheduler copies the layer's slot map into the experts' split
     (one split boundary per layer, no CPU op; llama_expert_slot_lookup_set) instead of by the CPU remap op
     (0: always the op). Layers the op must serve keep it (lookahead, hybrid splits). Same kernels and inputs
-    either way: bit-exact. ``slot_lookup_defer``: a lookup step of a layer whose experts are all in the pool
-    does not wait for the router's ids: the GPU looks the slots up in the map as it stands, and the ids, read
-    back asynchronously, go through the same bookkeeping (policy, counters) in order at the next point that
-    synchronizes (a step that may miss, the end of the ubatch); same decisions, same kernels and inputs.
+    either way: bit-exact. ``whole_pool_graphs``: once the pool holds every served expert (checked after each
+    ubatch; the native hot path on, no hybrid, no lookahead), graphs look slots up in static maps on the pool's
+    device, with no split and no wait per layer; each step's ids are kept on the device and go through the same
+    bookkeeping (policy, counters) after the ubatch. Same kernels and inputs: bit-exact.
     ``pool_preload``: with a pool that has a slot for every served expert (and the ``next-use`` policy), load
     them all when the provider starts (from the RAM tier where it holds them), so that no step misses.
     """
@@ -98,7 +98,7 @@ class StreamingSettings:
     hybrid_threads: int | None = None
     hybrid_fill_pool: bool = True
     slot_lookup_max_tokens: int = 32
-    slot_lookup_defer: bool = True
+    whole_pool_graphs: bool = True
     pool_preload: bool = True
 
     def __post_init__(self):

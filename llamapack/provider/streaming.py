@@ -158,8 +158,9 @@ class StreamingProvider:
             self._ctx = ctx_ptr
             self._copier = host or CudaCopier(device, self.pool_base, n_buffers, self._stride)
             native.set_provider(ctx_ptr, self._callback)
-            if device >= 0:
-                native.set_slot_lookup(ctx_ptr, settings.slot_lookup_max_tokens, settings.slot_lookup_defer)
+            # the slot lookup is for GPU pools; whole-pool graphs for any pool
+            native.set_slot_lookup(ctx_ptr, settings.slot_lookup_max_tokens if device >= 0 else 0,
+                                   settings.whole_pool_graphs)
             if self._native_hot:
                 self._start_fast_path()
             self.hybrid: dict | None = None  # hybrid execution's split and the costs it came from, once on
