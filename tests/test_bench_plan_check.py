@@ -211,5 +211,9 @@ def test_notes_name_what_the_plan_does_not_model():
     assert notes(name="pack-25%", source="pack", slot_lookup=True) == [
         "slot lookup: not modelled (its per-layer cost is the op's)"]
     assert "CPU remap op (+oppath)" in notes(name="pack-25%+oppath", source="pack", slot_lookup=False)[0]
+    whole = "whole-pool graphs (every expert cached, no per-layer split): not modelled"
+    assert whole in notes(name="pack-100%", source="pack", vram_fraction=1.0, whole_pool=True)
+    assert whole not in notes(name="pack-100%", source="pack", vram_fraction=1.0)  # results from before them
+    assert whole not in notes(name="pack-25%", source="pack", vram_fraction=0.25, whole_pool=True)
     hybrid = notes(name="pack-25%+ram+hybridauto", source="pack", hybrid="auto", slot_lookup=True)
     assert "hybrid: not modelled (predicted as off)" in hybrid

@@ -179,6 +179,9 @@ def notes_of(run: dict) -> list[str]:
         notes.append("CPU remap op (+oppath); the plan's per-layer cost was fitted on it")
     elif config.get("slot_lookup") and config.get("source") in ("pack", "gguf_direct"):
         notes.append("slot lookup: not modelled (its per-layer cost is the op's)")
+    if config.get("whole_pool") and config.get("source") in ("pack", "gguf_direct") and \
+            config.get("vram_fraction") == 1.0:
+        notes.append("whole-pool graphs (every expert cached, no per-layer split): not modelled")
     return notes
 
 
