@@ -107,7 +107,7 @@ class NativeNextUsePolicy:
         return self._lib.llama_expert_policy_size(self.ptr)
 
     def layer_size(self, layer: int) -> int:
-        """Resident keys of one layer (libllama's slot lookup defers a layer's steps when it holds them all)."""
+        """Resident keys of one layer (libllama builds whole-pool graphs once every served layer is whole)."""
         return self._lib.llama_expert_policy_layer_size(self.ptr, layer)
 
     def __contains__(self, key: Key) -> bool:

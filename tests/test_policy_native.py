@@ -78,7 +78,7 @@ class Twins:
         assert bits(map(ours.frequency, keys)) == bits(map(reference.frequency, keys))
         assert bits(map(ours.next_use, keys)) == bits(map(reference.next_use, keys))
         assert [ours.slot_of(key) for key in keys] == [reference.slot_of(key) for key in keys]
-        # per-layer residency (what libllama's slot lookup defers on), against the reference's residents
+        # per-layer residency (what libllama's whole-pool graphs wait for), against the reference's residents
         per_layer = [sum(1 for layer, _ in reference.resident() if layer == wanted) for wanted in range(n_layers + 1)]
         assert [ours.layer_size(layer) for layer in range(n_layers + 1)] == per_layer
         assert ours.layer_size(-1) == 0 and ours.layer_size(10**6) == 0
