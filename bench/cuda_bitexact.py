@@ -71,17 +71,18 @@ def case(preset, provider, source, n_ubatch, n_prompt, n_slots, n_expert, want, 
                 prefetch_used=stats.get("prefetch_used", 0), lookahead_accuracy=stats.get("lookahead_accuracy"),
                 ram_preloaded=stats.get("ram_preloaded", 0), ram_hits=stats.get("ram_hits", 0),
                 read_engine=stats.get("read_engine", "-"), native_steps=stats.get("native_steps", 0),
-                lookup_steps=stats.get("lookup_steps", 0), whole_pool_steps=stats.get("whole_pool_steps", 0), acquires=stats.get("acquires", 0), seconds=round(seconds, 1))
+                lookup_steps=stats.get("lookup_steps", 0), whole_pool_steps=stats.get("whole_pool_steps", 0),
+                whole_pool_span=stats.get("whole_pool_span", 0), acquires=stats.get("acquires", 0), seconds=round(seconds, 1))
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions | misses read ahead | reads on | native steps | lookup steps | whole-pool steps |",
+    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions | misses read ahead | reads on | native steps | lookup steps | whole-pool steps (widest slot view) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['preset']} | {r.get('provider', 'reference')} | {r.get('source', 'gguf')} | {r['n_ubatch']} | {r['n_slots']}/{r['n_expert']} | {r['bit_exact']} | "
                      f"{r['patched_no_provider_bit_exact']} | {r['max_abs_diff']:.3g} | {r['rows_differing']}/{r['rows']} | "
                      f"{r['cache_misses']} | {r['cache_evictions']} | {r.get('prefetch_used', 0)} | {r.get('read_engine', '-')} | "
-                     f"{r.get('native_steps', 0)}/{r.get('acquires', 0)} | {r.get('lookup_steps', 0)} | {r.get('whole_pool_steps', 0)} |")
+                     f"{r.get('native_steps', 0)}/{r.get('acquires', 0)} | {r.get('lookup_steps', 0)} | {r.get('whole_pool_steps', 0)} ({r.get('whole_pool_span', 0)}) |")
     return "\n".join(lines) + "\n"
 
 

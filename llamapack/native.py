@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 9
+EXPECTED_API_VERSION = 10
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -169,7 +169,7 @@ def hook_stats(ctx) -> dict:
     lib().llama_expert_hook_stats_get(ctx, out)
     return dict(provider_calls=out.provider_calls, prefetch_calls=out.prefetch_calls,
                 provider_call_s=out.provider_s, prefetch_call_s=out.prefetch_s, lookup_steps=out.lookup_steps,
-                whole_pool_steps=out.whole_pool_steps)
+                whole_pool_steps=out.whole_pool_steps, whole_pool_span=out.whole_pool_span)
 
 
 def set_fast_path(ctx, pool_policy, tier_policy=None, tier_holds_every_key: bool = False, block_addrs=(),

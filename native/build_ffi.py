@@ -36,6 +36,7 @@ struct llama_expert_hook_stats {
     double  prefetch_s;
     int64_t lookup_steps;
     int64_t whole_pool_steps;
+    int64_t whole_pool_span;
 };
 
 struct llama_expert_pool_desc {

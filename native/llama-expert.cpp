@@ -61,7 +61,11 @@ struct llama_expert_layer_binding {
     ggml_tensor *        slot_map = nullptr;
     int32_t              n_used   = 0;
     std::vector<uint8_t> mapped; // per expert: given a slot in the current step
-    ggml_tensor *        device_map = nullptr; // whole-pool graphs: I32 [1, n_expert] on the pool's device
+    // whole-pool graphs: I32 [1, n_expert] on the pool's device, slots counted from first_slot; the layer's
+    // matmuls see only slots [first_slot, first_slot + n_slots), the range its experts occupy
+    ggml_tensor *        device_map = nullptr;
+    int32_t              first_slot = 0;
+    int32_t              n_slots    = 0;
 };
 
 // llama_expert_bench_replay_set's trace rows for the current request (benchmarks only)
@@ -645,7 +649,11 @@ static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
         hook->ring           = ring;
         hook->ring_per_layer = per_layer;
     }
+    // each layer's matmuls get a view of the slots its experts occupy: the CUDA MMQ kernels' grid (and the CPU's
+    // loop) grow with the expert count the weights declare, so a view of a layer's own range keeps prefill at
+    // vanilla's cost when the pool was filled layer by layer (pool preload), and is never wider than the pool
     std::vector<int32_t> slots;
+    int32_t widest = 0;
     for (const auto & b : hook->bindings) {
         slots.resize(b->n_expert);
         for (int32_t expert = 0; expert < b->n_expert; ++expert) {
@@ -654,8 +662,16 @@ static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
                 return; // not whole after all: stay as we are
             }
         }
+        const auto [lo, hi] = std::minmax_element(slots.begin(), slots.end());
+        b->first_slot = *lo;
+        b->n_slots    = *hi - *lo + 1;
+        widest = std::max(widest, b->n_slots);
+        for (int32_t & slot : slots) {
+            slot -= b->first_slot;
+        }
         ggml_backend_tensor_set(b->device_map, slots.data(), 0, slots.size() * sizeof(int32_t));
     }
+    hook->stats.whole_pool_span = widest;
     hook->whole_pool = true;
     hook->generation++; // graphs are rebuilt with the static maps
 }
@@ -737,7 +753,10 @@ llama_expert_remap llama_expert_remap_build(
         ggml_tensor * slots = ggml_get_rows(ctx, binding->device_map, kept);
         ggml_format_name(slots, "llamapack_whole_pool_slots-%d", binding->layer);
         binding->n_used = (int32_t) n_used;
-        remap.ids = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
+        remap.ids        = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
+        remap.ctx        = ctx;
+        remap.first_slot = binding->first_slot;
+        remap.n_slots    = binding->n_slots;
         return remap;
     }
     if (ggml_backend_t backend = glu < 0 ? lookup_backend(hook, binding, sched, n_tokens) : nullptr) {
@@ -784,7 +803,13 @@ void llama_expert_remap_apply(const llama_expert_remap * remap, ggml_tensor * mu
     GGML_ASSERT(mul_mat_id->op == GGML_OP_MUL_MAT_ID);
     auto it = remap->hook->pool_tensor.find(mul_mat_id->src[0]);
     GGML_ASSERT(it != remap->hook->pool_tensor.end() && "every role of a served layer must have a pool tensor");
-    mul_mat_id->src[0] = it->second;
+    ggml_tensor * pool = it->second;
+    if (remap->n_slots > 0) { // whole-pool graphs: the layer's own range of slots
+        pool = ggml_view_3d(remap->ctx, pool, pool->ne[0], pool->ne[1], remap->n_slots, pool->nb[1], pool->nb[2],
+                            (size_t) remap->first_slot * pool->nb[2]);
+        ggml_format_name(pool, "%s-slots-%d+%d", it->second->name, remap->first_slot, remap->n_slots);
+    }
+    mul_mat_id->src[0] = pool;
     mul_mat_id->src[2] = remap->ids;
 }
 

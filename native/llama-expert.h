@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 9
+#define LLAMA_EXPERT_API_VERSION 10
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -141,6 +141,7 @@ struct llama_expert_hook_stats {
     double  prefetch_s;
     int64_t lookup_steps;   // steps served through the slot lookup (llama_expert_slot_lookup_set)
     int64_t whole_pool_steps; // steps served after their ubatch from whole-pool graphs (whole_pool)
+    int64_t whole_pool_span;  // the widest range of slots a layer's whole-pool matmuls saw when last turned on
 };
 LLAMA_EXPERT_API int32_t llama_expert_hook_stats_get(const struct llama_context * ctx, struct llama_expert_hook_stats * out);
 // The last error of this context's hook (attach, provider failure, bad slot id), or "" when none.

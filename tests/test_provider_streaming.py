@@ -485,10 +485,14 @@ def test_a_pool_of_every_expert_is_filled_at_start(pool_preload, models, vanilla
         assert stats["native_steps"] == stats["acquires"] == (N_PROMPT + N_DECODE) * 4
         assert stats["whole_pool_steps"] == stats["acquires"] - 4  # all but the first ubatch's 4 layers
         assert stats["cache_hits"] == stats["acquires"] * 4  # top-4 of one token: 4 distinct experts a step
+        # filled layer by layer: each layer's matmuls see a view of its own experts' slots alone
+        assert stats["whole_pool_span"] == SPECS["qwen3moe-tiny"].n_expert
     else:
         assert stats["pool_preloaded"] == 0 and 0 < stats["cache_misses"] <= every_expert
         assert stats["native_steps"] < stats["acquires"]
-        assert stats["whole_pool_steps"] < stats["acquires"] - 4  # only once every expert was asked for
+        assert 0 < stats["whole_pool_steps"] < stats["acquires"] - 4  # only once every expert was asked for
+        # filled as tokens asked: layers interleave in the pool, so a layer's view spans others' slots too
+        assert SPECS["qwen3moe-tiny"].n_expert < stats["whole_pool_span"] <= every_expert
 
 
 @pytest.mark.parametrize("n_ubatch", [1, 7])

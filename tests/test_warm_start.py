@@ -200,6 +200,24 @@ def test_a_warm_started_session_fills_the_pool_and_stays_bit_exact(model, vanill
     assert tier["before"]["ram_preloaded"] > 8 and tier["before"]["ram_misses"] == 0  # the pool's fill: RAM hits
 
 
+def test_a_pool_of_every_expert_is_filled_layer_by_layer_even_when_warm_started(model, vanilla, tmp_path):
+    """With a slot for every expert, the saved counts still seed the policy but the pool preload fills the
+    pool, in layer order: each layer's experts take contiguous slots, so whole-pool graphs give each layer's
+    matmuls a view of its own experts alone."""
+    from llamapack.synth import PRESETS
+
+    gguf, pack = model
+    n_expert, n_layer = PRESETS[PRESET].n_expert, PRESETS[PRESET].n_layer
+    spec = dict(model=str(gguf), pack=str(pack), n_slots=n_expert * n_layer,
+                llama=dict(warm_start=True, warm_start_dir=str(tmp_path / "warm")))
+    run_llama(dict(spec, out=str(tmp_path / "cold.npy")), tmp_path)
+    warm = run_llama(dict(spec, out=str(tmp_path / "warm.npy")), tmp_path)
+    assert np.array_equal(np.load(tmp_path / "warm.npy"), vanilla)
+    assert warm["resident_before"] == n_expert * n_layer and warm["before"]["pool_preloaded"] == n_expert * n_layer
+    assert not any("hottest experts" in line for line in warm["log"])
+    assert warm["after"]["whole_pool_steps"] > 0 and warm["after"]["whole_pool_span"] == n_expert
+
+
 def test_a_corrupt_file_starts_cold_with_a_warning_and_off_saves_nothing(model, vanilla, tmp_path):
     gguf, pack = model
     folder = tmp_path / "warm"

@@ -298,14 +298,21 @@ class StreamingProvider:
         if self.tier is not None and hasattr(self.tier.policy, "seed"):
             self.tier.policy.seed(popularity)
             self._fill_tier(hottest(popularity, self.tier.n_blocks), "warm start (RAM tier)", progress)
+        if self.settings.pool_preload and self._pool_holds_every_expert():
+            return 0  # preload_pool fills it layer by layer (each layer's slots contiguous: whole-pool graphs' views)
         loads = self.policy.preload(hottest(popularity, self.n_slots))
         return self._load_into_pool(loads, "warm start", "hottest experts of the last session", progress)
 
+    def _pool_holds_every_expert(self) -> bool:
+        return self.n_slots >= len(self._layers) * self._reader.layout.num_experts and hasattr(self.policy, "preload")
+
     def preload_pool(self, progress: bool | None = None) -> int:
         """With a slot for every served expert (and a policy that can preload): load the experts the pool does
-        not hold yet, RAM tier first, so that no step misses; return how many were loaded. A failed read fails
-        the start-up, as a preload read does. Otherwise nothing happens."""
-        if self.n_slots < len(self._layers) * self._reader.layout.num_experts or not hasattr(self.policy, "preload"):
+        not hold yet, RAM tier first, so that no step misses; return how many were loaded. An empty pool gets
+        them layer by layer, so each layer's experts take contiguous slots (whole-pool graphs then give a layer's
+        matmuls a view of that layer's slots alone). A failed read fails the start-up, as a preload read does.
+        Otherwise nothing happens."""
+        if not self._pool_holds_every_expert():
             return 0
         keys = [(layer, expert) for layer in self._layers for expert in range(self._reader.layout.num_experts)]
         return self._load_into_pool(self.policy.preload(keys), "pool preload", "experts (every one)", progress)
