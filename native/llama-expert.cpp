@@ -1087,9 +1087,10 @@ int32_t llama_expert_slot_lookup_set(llama_context * ctx, int32_t max_tokens, bo
     }
     hook->lookup_max_tokens  = max_tokens;
     hook->whole_pool_allowed = whole_pool;
-    hook->whole_pool         = false; // on again (if allowed) after the next ubatch
+    hook->whole_pool         = false;
     hook->generation++; // graphs built from now on choose between the lookup and the op
     llama_expert_access::need_reserve(*ctx);
+    update_whole_pool(hook, ctx); // on at once if the pool already holds every expert, else after a ubatch fills it
     return 0;
 }
 

@@ -125,7 +125,7 @@ LLAMA_EXPERT_API void    llama_expert_detach(struct llama_context * ctx);
 // that reads host memory in place (integrated), or, while a routing replay is set, ubatches of more than one
 // token. A step that would give one expert two slots fails the decode. Graphs built from now on use it.
 // whole_pool (API 9): with the native hot path, no hybrid and no lookahead, once the pool holds every expert of
-// every served layer (checked after each ubatch), graphs are rebuilt to look slots up on the pool's device in
+// every served layer (checked now and after each ubatch), graphs are rebuilt to look slots up on the pool's device in
 // static maps written from the pool's policy: no split, no callback, no synchronize per layer, on a GPU or a host
 // pool, for ubatches of any size. Each layer's ids are also copied into a ring on that device, and the steps
 // are served from it in graph order after the ubatch (same bookkeeping, decisions and counters); one that is

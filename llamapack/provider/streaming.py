@@ -158,9 +158,8 @@ class StreamingProvider:
             self._ctx = ctx_ptr
             self._copier = host or CudaCopier(device, self.pool_base, n_buffers, self._stride)
             native.set_provider(ctx_ptr, self._callback)
-            # the slot lookup is for GPU pools; whole-pool graphs for any pool
-            native.set_slot_lookup(ctx_ptr, settings.slot_lookup_max_tokens if device >= 0 else 0,
-                                   settings.whole_pool_graphs)
+            self._slot_lookup_max_tokens = settings.slot_lookup_max_tokens if device >= 0 else 0  # GPU pools only
+            native.set_slot_lookup(ctx_ptr, self._slot_lookup_max_tokens, settings.whole_pool_graphs)
             if self._native_hot:
                 self._start_fast_path()
             self.hybrid: dict | None = None  # hybrid execution's split and the costs it came from, once on
@@ -315,7 +314,10 @@ class StreamingProvider:
         if not self._pool_holds_every_expert():
             return 0
         keys = [(layer, expert) for layer in self._layers for expert in range(self._reader.layout.num_experts)]
-        return self._load_into_pool(self.policy.preload(keys), "pool preload", "experts (every one)", progress)
+        loaded = self._load_into_pool(self.policy.preload(keys), "pool preload", "experts (every one)", progress)
+        # whole-pool graphs (when allowed and possible) from the first ubatch on, instead of from the second
+        native.set_slot_lookup(self._ctx, self._slot_lookup_max_tokens, self.settings.whole_pool_graphs)
+        return loaded
 
     def _load_into_pool(self, loads: tuple[SlotAssignment, ...], what: str, which: str, progress: bool | None) -> int:
         from tqdm import tqdm
