@@ -211,9 +211,24 @@ def test_notes_name_what_the_plan_does_not_model():
     assert notes(name="pack-25%", source="pack", slot_lookup=True) == [
         "slot lookup: not modelled (its per-layer cost is the op's)"]
     assert "CPU remap op (+oppath)" in notes(name="pack-25%+oppath", source="pack", slot_lookup=False)[0]
-    whole = "whole-pool graphs (every expert cached, no per-layer split): not modelled"
+    whole = "whole-pool graphs: modelled as no per-layer cost (an assumption)"
     assert whole in notes(name="pack-100%", source="pack", vram_fraction=1.0, whole_pool=True)
     assert whole not in notes(name="pack-100%", source="pack", vram_fraction=1.0)  # results from before them
     assert whole not in notes(name="pack-25%", source="pack", vram_fraction=0.25, whole_pool=True)
     hybrid = notes(name="pack-25%+ram+hybridauto", source="pack", hybrid="auto", slot_lookup=True)
     assert "hybrid: not modelled (predicted as off)" in hybrid
+
+
+def test_budgets_follow_the_runs_whole_pool_setting():
+    """A run could use whole-pool graphs when it asked for them with no hybrid and no lookahead (a bench from
+    before them has no such key: it could not)."""
+    from llamapack.bench.plan_check import budgets_of
+    from llamapack.plan.model import ModelShape
+
+    shape = ModelShape("small", 4, 16, 4, 1 << 20, 1 << 20, 1e6, 1 << 24)
+    base = dict(source="pack", vram_fraction=1.0, native_hot_path=True)
+    whole = lambda **config: budgets_of({"config": dict(base, **config)}, shape, 512).whole_pool(shape)  # noqa: E731
+    assert whole(whole_pool=True)
+    assert not whole() and not whole(whole_pool=False)
+    assert not whole(whole_pool=True, hybrid="auto") and not whole(whole_pool=True, prefetch=True)
+    assert not whole(whole_pool=True, vram_fraction=0.5)

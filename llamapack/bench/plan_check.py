@@ -150,7 +150,7 @@ def budgets_of(run: dict, shape: ModelShape, n_ubatch: int) -> Budgets:
         tier = round(config["ram_fraction"] * shape.n_blocks) if config.get("ram_fraction") else 0
     device = provider.get("device", 0)
     gpu = not (isinstance(device, int) and device < 0)
-    return Budgets(int(slots), int(tier), n_ubatch, gpu, native_hot_path(config))
+    return Budgets(int(slots), int(tier), n_ubatch, gpu, native_hot_path(config), whole_pool_graphs(config))
 
 
 def native_hot_path(config: dict) -> bool:
@@ -158,6 +158,12 @@ def native_hot_path(config: dict) -> bool:
     every step in Python), with ``next-use`` and no lookahead (the provider's rule)."""
     return bool(config.get("native_hot_path", False)) and config.get("cache_policy", "next-use") == "next-use" \
         and not config.get("prefetch")
+
+
+def whole_pool_graphs(config: dict) -> bool:
+    """Whether the run's provider could run whole-pool graphs: asked (absent: a bench from before them), with no
+    hybrid and no lookahead (the hook's rule; the pool's size and the hot path are Budgets.whole_pool's part)."""
+    return bool(config.get("whole_pool", False)) and config.get("hybrid", "off") == "off" and not config.get("prefetch")
 
 
 def notes_of(run: dict) -> list[str]:
@@ -181,7 +187,7 @@ def notes_of(run: dict) -> list[str]:
         notes.append("slot lookup: not modelled (its per-layer cost is the op's)")
     if config.get("whole_pool") and config.get("source") in ("pack", "gguf_direct") and \
             config.get("vram_fraction") == 1.0:
-        notes.append("whole-pool graphs (every expert cached, no per-layer split): not modelled")
+        notes.append("whole-pool graphs: modelled as no per-layer cost (an assumption)")
     return notes
 
 
@@ -268,11 +274,11 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
                                        prefill_loads=bench_prefill_loads(run, shape, trace, budgets, policy, preloaded,
                                                                          prompts),
                                        cold_lengths=first)
-        native = budgets.native_hot_path
+        native, whole = budgets.native_hot_path, budgets.whole_pool(shape)
         loads = measured_loads(run)
-        on_measured = 1 / decode_time(shape, here, loads, costs, native).total if loads else None
+        on_measured = 1 / decode_time(shape, here, loads, costs, native, whole).total if loads else None
         at_disks = [1 / decode_time(shape, dataclasses.replace(here, disk_bytes_per_s=rate), prediction.decode_loads,
-                                    costs, native).total for rate in disks]
+                                    costs, native, whole).total for rate in disks]
         r = ratio(prediction.decode_tok_s, row.decode_tok_s)
         decode_rows.append(dict(
             config=row.name, pool_slots=budgets.pool_slots, tier_blocks=budgets.tier_blocks, n_ubatch=n_ubatch,

@@ -10,7 +10,8 @@ policy); ``python_steps`` are the steps that enter the Python provider and ``pyt
 load. With the native hot path (``Budgets.native_hot_path``, the provider's default) only a step with an SSD read
 enters Python (the replay counts them: ``StepLoads.ssd_steps``); without it every step does. A host pool costs
 ``host_hook`` per step, Python or not (the native path's saving there is not measured).
-Nothing overlaps: reads are demand reads, the layer waits for them (``Costs.io_overlap``).
+Nothing overlaps: reads are demand reads, the layer waits for them (``Costs.io_overlap``). With a slot for every
+expert and whole-pool graphs (``Budgets.whole_pool``) there is no cache step per layer: t = compute.
 
 Prefill of P tokens in ubatches of U: ceil(P / U) ubatches; in each, every MoE layer's distinct experts of the
 ubatch are made resident once (one cache step per layer and ubatch), so
@@ -165,6 +166,12 @@ class Budgets:
     n_ubatch: int
     gpu: bool
     native_hot_path: bool = True
+    whole_pool_graphs: bool = True  # StreamingSettings.whole_pool_graphs (with no hybrid and no lookahead)
+
+    def whole_pool(self, shape: "ModelShape") -> bool:
+        """Whether graphs run whole-pool (a slot for every expert, the native hot path on): no cache step per
+        layer, the steps' bookkeeping done natively after each ubatch."""
+        return self.whole_pool_graphs and self.native_hot_path and self.pool_slots >= shape.n_blocks
 
     def settings(self, shape: ModelShape) -> dict:
         """The StreamingSettings / run options these budgets are: cache_vram_mib, ram_cache_mib, n_ubatch,
@@ -281,8 +288,12 @@ def python_work(loads: StepLoads, n_steps: int, native_hot_path: bool) -> tuple[
 
 
 def step_costs(shape: ModelShape, machine: Machine, loads: StepLoads, costs: Costs,
-               native_hot_path: bool, prefill: bool = False) -> tuple[float, float]:
-    """(hook, Python) seconds of one token's or (``prefill``) ubatch's ``n_moe_layers`` cache steps with ``loads``."""
+               native_hot_path: bool, prefill: bool = False, whole_pool: bool = False) -> tuple[float, float]:
+    """(hook, Python) seconds of one token's or (``prefill``) ubatch's ``n_moe_layers`` cache steps with ``loads``.
+    Whole-pool graphs have none: their steps are bookkeeping after the ubatch, in libllama (an assumption of the
+    model, microseconds a ubatch on the CPU; not yet checked against a device run)."""
+    if whole_pool:
+        return 0.0, 0.0
     n = shape.n_moe_layers
     if not machine.gpu:
         return n * costs.host_hook_s_per_layer, 0.0
@@ -292,22 +303,23 @@ def step_costs(shape: ModelShape, machine: Machine, loads: StepLoads, costs: Cos
 
 
 def decode_time(shape: ModelShape, machine: Machine, per_token: StepLoads, costs: Costs = DEFAULT_COSTS,
-                native_hot_path: bool = True) -> TimeSplit:
+                native_hot_path: bool = True, whole_pool: bool = False) -> TimeSplit:
     """One decode token's seconds (module docstring)."""
     compute = decode_compute_s(shape, machine, costs)
-    hook, python = step_costs(shape, machine, per_token, costs, native_hot_path)
+    hook, python = step_costs(shape, machine, per_token, costs, native_hot_path, whole_pool=whole_pool)
     ssd, ram = load_seconds(per_token, shape, machine)
     overlap = costs.io_overlap * min(ssd + ram, compute + hook)
     return TimeSplit(compute, hook, ssd, ram, overlap, python)
 
 
 def prefill_time(shape: ModelShape, machine: Machine, n_tokens: int, n_ubatch: int, per_ubatch: StepLoads,
-                 costs: Costs = DEFAULT_COSTS, native_hot_path: bool = True, cold: bool = False) -> TimeSplit:
+                 costs: Costs = DEFAULT_COSTS, native_hot_path: bool = True, cold: bool = False,
+                 whole_pool: bool = False) -> TimeSplit:
     """Seconds to prefill ``n_tokens`` (module docstring); ``per_ubatch``: the loads of one ubatch, all layers;
     ``cold``: the first request of a process (its SSD reads cost ``Costs.cold_read_factor`` times more)."""
     n_ubatches = math.ceil(n_tokens / n_ubatch)
     compute = prefill_compute_s(shape, machine, n_tokens, n_ubatch, costs)
-    hook, python = step_costs(shape, machine, per_ubatch, costs, native_hot_path, prefill=True)
+    hook, python = step_costs(shape, machine, per_ubatch, costs, native_hot_path, prefill=True, whole_pool=whole_pool)
     ssd, ram = load_seconds(per_ubatch, shape, machine)
     ssd *= costs.cold_read_factor if cold else 1.0
     ram += per_ubatch.ram_hits * costs.prefill_ram_hit_s if machine.gpu else 0.0

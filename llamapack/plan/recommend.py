@@ -108,15 +108,15 @@ def predict(shape: ModelShape, machine: Machine, label: str, budgets: Budgets, t
     prompt lengths whose ``prefill_loads`` are a process's first request (``Costs.cold_read_factor``)."""
     per_token = hits.decode_loads(trace, budgets.pool_slots, budgets.tier_blocks, policy=policy,
                                   preloaded=tier_preloaded)
-    native = budgets.native_hot_path
+    native, whole = budgets.native_hot_path, budgets.whole_pool(shape)
     prefill = {}
     for n_tokens in prefill_lengths:
         per_ubatch = (prefill_loads or {}).get(n_tokens) or hits.prefill_loads(
             shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks, policy=policy,
             prompt_source=prompt_source)
         prefill[n_tokens] = prefill_time(shape, machine, n_tokens, budgets.n_ubatch, per_ubatch, costs, native,
-                                         cold=n_tokens in cold_lengths)
-    return Prediction(label, budgets, decode_time(shape, machine, per_token, costs, native), per_token, prefill,
+                                         cold=n_tokens in cold_lengths, whole_pool=whole)
+    return Prediction(label, budgets, decode_time(shape, machine, per_token, costs, native, whole), per_token, prefill,
                       memory_use(shape, budgets, n_ctx), shape.block_bytes)
 
 
