@@ -48,6 +48,13 @@ mkdir -p "$work"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$repo/.devtree/src:$repo" LLAMAPACK_VOCAB_DIR="$repo/.devtree/vocab" PYTHONUNBUFFERED=1
 lp() { python3 -m llamapack "$@"; }
+if [ -f "$repo/.devtree/cuda-libs.tar.xz" ]; then  # libs built elsewhere (scripts/build_cuda_libs.sh): find CUDA's own
+    for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+        ldconfig -p 2>/dev/null | grep -q "$lib" && continue
+        found=$(find /usr/local /usr/lib /opt -name "$lib" 2>/dev/null | head -1)
+        [ -z "$found" ] || export LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done
+fi
 model="$work/${MODEL_NAME:-q30b-skew1}.gguf"
 
 # the model (router skew $1) and its pack, written in the background; wait_for_model waits and shows the log
