@@ -202,6 +202,14 @@ whole-pool)  # #24: our builds, CUDA bit-exactness with whole-pool graphs (a poo
         --patched-lib "$build/patched" --out "$out/cuda_hybrid.json" 2>&1 | tail -3   # HYBRID=0: skipped
     wait_for_model
     ;;
+whole-pool-check)  # the whole-pool stage's CUDA bit-exactness alone (no model), each case logged as it ends
+    build_cuda
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_whole_pool.json" --provider streaming --sources gguf pack --ubatch 1 7 512 \
+        --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 \
+        > "$out/cuda_bitexact_whole_pool.log" 2>&1
+    tail -3 "$out/cuda_bitexact_whole_pool.log"
+    ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
         && lp pack "$work/granite.gguf" -q >> "$out/granite.log" 2>&1; echo "granite rc $?" >> "$out/granite.log") &
