@@ -5,6 +5,8 @@
 #   python scripts/build_llama.py --work-dir /tmp/emit --emit-tree .devtree/src   # trimmed patched tree, ~22 MB
 #   mkdir -p .devtree/vocab && cp ~/.cache/llamapack/vocab/ggml-vocab-{gpt-2,llama-spm}.gguf .devtree/vocab/
 #   pip download cffi, pycparser, gguf wheels for cp312 into .whl (see the device README)
+# With .devtree/cuda-libs.tar.xz (scripts/build_cuda_libs.sh, built without a GPU) the build stage unpacks it
+# instead (seconds, not ~6 minutes of device time). Otherwise:
 # Builds the patched libs with CUDA for sm_90 through scripts/build_llama.py, then the vanilla libllama from
 # the same build tree with the patch reversed (libggml* are untouched by the patch), then compares logits.
 # Stage 2 (`bash bench/device_cuda.sh compare`) reuses the build while the machine is still warm.
