@@ -8,7 +8,7 @@
 # With .devtree/cuda-libs.tar.xz (scripts/build_cuda_libs.sh, built without a GPU) the build stage unpacks it
 # instead (seconds, not ~6 minutes of device time). Otherwise:
 # Builds the patched libs with CUDA for sm_90 through scripts/build_llama.py, then the vanilla libllama from
-# the same build tree with the patch reversed (libggml* are untouched by the patch), then compares logits.
+# the same build tree with the patch reversed (it touches ggml-backend too: libggml* are rebuilt), then compares logits.
 # Stage 2 (`bash bench/device_cuda.sh compare`) reuses the build while the machine is still warm.
 set -euo pipefail
 repo="$(pwd)"
@@ -21,13 +21,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$repo/.devtree/src:$repo"
 export LLAMAPACK_VOCAB_DIR="$repo/.devtree/vocab"
 
+machine_info() {
+    { nvidia-smi -L; nproc; python3 --version; python3 -c 'import cupy; print("cupy", cupy.__version__)'; } > "$out/machine.txt" 2>&1
+}
 prebuilt="$repo/.devtree/cuda-libs.tar.xz"  # patched/ and vanilla/ built elsewhere (scripts/build_cuda_libs.sh)
 if { [ "$stage" = all ] || [ "$stage" = build ]; } && [ -f "$prebuilt" ]; then
-    { nvidia-smi -L; nproc; python3 --version; python3 -c 'import cupy; print("cupy", cupy.__version__)'; } > "$out/machine.txt" 2>&1
+    machine_info
     mkdir -p "$build" && tar xJf "$prebuilt" -C "$build" && ls "$build/patched" "$build/vanilla" >> "$out/machine.txt"
-    echo "build seconds: 0 (prebuilt: $(tar tJf "$prebuilt" | head -1)...)" >> "$out/machine.txt"
+    echo "build seconds: 0 (prebuilt libs unpacked)" >> "$out/machine.txt"
 elif [ "$stage" = all ] || [ "$stage" = build ]; then
-    { nvidia-smi -L; nproc; python3 --version; python3 -c 'import cupy; print("cupy", cupy.__version__)'; } > "$out/machine.txt" 2>&1
+    machine_info
     start=$(date +%s)
     rm -rf "$build/build-patched"  # a warm machine's tree ends on the vanilla build: never reuse it as patched
     LLAMAPACK_CUDA="${LLAMAPACK_CUDA:-1}" LLAMAPACK_CUDA_ARCHS=90 LLAMAPACK_JOBS="${LLAMAPACK_JOBS:-16}" \
