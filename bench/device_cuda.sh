@@ -27,6 +27,11 @@ machine_info() {
 prebuilt="$repo/.devtree/cuda-libs.tar.xz"  # patched/ and vanilla/ built elsewhere (scripts/build_cuda_libs.sh)
 if { [ "$stage" = all ] || [ "$stage" = build ]; } && [ -f "$prebuilt" ]; then
     machine_info
+    flags="$repo/.devtree/cuda-libs.cpuflags"  # the build machine's (-march=native): refuse rather than SIGILL
+    missing=$( [ -f "$flags" ] && grep -o -w -E 'avx[0-9a-z_]*|amx[a-z_]*|f16c|fma|bmi2' /proc/cpuinfo | sort -u \
+        | comm -13 - "$flags" | tr '\n' ' ' || true)
+    [ -z "$missing" ] || { echo "prebuilt libs need CPU flags this machine lacks: $missing(build here:" \
+        "carry .devtree/src, leave out .devtree/cuda-libs.tar.xz)" | tee -a "$out/machine.txt"; exit 1; }
     mkdir -p "$build" && tar xJf "$prebuilt" -C "$build" && ls "$build/patched" "$build/vanilla" >> "$out/machine.txt"
     echo "build seconds: 0 (prebuilt libs unpacked)" >> "$out/machine.txt"
 elif [ "$stage" = all ] || [ "$stage" = build ]; then

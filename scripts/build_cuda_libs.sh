@@ -32,4 +32,6 @@ cuda=$(basename "$(readlink -f "$build/patched/libggml-cuda.so")")
 tar cf "$build/libs.tar" -C "$build" "patched/$cuda" "vanilla/$cuda"
 tar rf "$build/libs.tar" -C "$build" --exclude="$cuda" patched vanilla
 xz -9 -T1 -c "$build/libs.tar" > .devtree/cuda-libs.tar.xz
+# ggml's CPU backend is compiled for this CPU (-march=native): the device checks it has these flags too
+grep -o -w -E 'avx[0-9a-z_]*|amx[a-z_]*|f16c|fma|bmi2' /proc/cpuinfo | sort -u > .devtree/cuda-libs.cpuflags
 echo "built in $(( $(date +%s) - start )) s: .devtree/cuda-libs.tar.xz ($(du -h .devtree/cuda-libs.tar.xz | cut -f1))"
