@@ -18,8 +18,8 @@ from llamapack.errors import CapacityError, PackIOError
 from llamapack.plan import hits, probe, recommend
 from llamapack.routing import RoutingTrace
 from llamapack.plan.model import (DEFAULT_COSTS, MIB, REF_ACTIVE_BYTES, REF_EXPERT_BYTES, Budgets, Machine, ModelShape,
-                                  StepLoads, decode_compute_s, decode_time, prefill_compute_s, prefill_time,
-                                  python_work, ssd_step_share)
+                                  StepLoads, decode_compute_s, decode_time, pool_view_s, prefill_compute_s,
+                                  prefill_time, python_work, ssd_step_share)
 
 STRIDE = 2654208  # 2.53 MiB, the Qwen3-30B-shaped model's block
 QWEN30B = ModelShape("q30b", 48, 128, 8, STRIDE, STRIDE, REF_EXPERT_BYTES, int(17.46e9 - 16.31e9), 98304)
@@ -61,6 +61,36 @@ def test_whole_pool_graphs_have_no_per_layer_cost(tmp_path):
                     for n in (small.n_blocks, small.n_blocks - 1))
     assert every.decode.hook == every.prefill[64].hook == 0 and every.decode.total < short.decode.total
     assert short.decode.hook == pytest.approx(4 * DEFAULT_COSTS.gpu_hook_s_per_layer)
+
+
+def test_prefill_matmuls_walk_the_pools_slots_beyond_a_layers_experts():
+    """A GPU pool's multi-token ubatches pay per slot beyond the layer's experts (pool_view_s); single-token
+    ubatches, host pools, a pool no wider than a layer and whole-pool graphs do not."""
+    view = lambda slots, tokens=512, ubatch=512, machine=GPU, whole=False: pool_view_s(  # noqa: E731
+        QWEN30B, machine, slots, tokens, ubatch, whole_pool=whole)
+    assert view(128) == view(6144, machine=HOST) == view(6144, whole=True) == view(6144, tokens=1) == 0
+    assert view(1536) > 0 and view(3072) - view(1536) == pytest.approx(view(1536) * 1536 / 1408)  # linear in slots
+    assert view(1536, tokens=1024) == pytest.approx(2 * view(1536))           # two ubatches of 512
+    assert view(1536, tokens=513) == pytest.approx(view(1536))                # the last ubatch: one token
+    split = prefill_time(QWEN30B, GPU, 512, 512, loads(0), pool_slots=1536)
+    assert split.view == view(1536) and split.total == pytest.approx(prefill_compute_s(QWEN30B, GPU, 512, 512)
+                                                                       + 48 * DEFAULT_COSTS.gpu_hook_s_per_layer
+                                                                       + view(1536))
+
+
+def test_view_and_tier_hit_costs_reproduce_the_runs_they_were_fitted_on():
+    """gpu_lookup_q30b.json (H100): native RAM-tier runs' prefill, pools of 1536, 3072 and 6144 slots, within 2%
+    (the model adds the vanilla prefill measured in the same run, 48 hooks, the tier hits' copies at the probed
+    55.29 GB/s, the tier hits' handling and the pool view)."""
+    machine = replace(GPU, h2d_bytes_per_s=55.29e9)
+    c = DEFAULT_COSTS
+    for tokens, slots, tier_hits, measured_ms, vanilla_ms in [
+            (512, 1536, 4804, 591.2, 258.1), (512, 3072, 4804, 640.5, 258.1), (512, 6144, 4804, 759.9, 258.1),
+            (32, 1536, 854, 86.3, 22.5), (32, 3072, 401, 75.2, 22.5), (32, 6144, 42, 85.8, 22.5)]:
+        split = prefill_time(QWEN30B, machine, tokens, 512, loads(0, tier_hits, tier_hits), pool_slots=slots)
+        predicted = vanilla_ms / 1e3 + split.total - split.compute
+        assert predicted * 1e3 == pytest.approx(measured_ms, rel=0.02), (tokens, slots)
+    assert c.prefill_ram_hit_s == pytest.approx(9.5e-6)
 
 
 def test_reference_model_reproduces_the_measured_figures():

@@ -327,7 +327,7 @@ def prefill_row(name: str, n_tokens: int, predicted: float, row, plan_own: float
 
 
 def split_ms(split) -> dict:
-    return {k: 1e3 * getattr(split, k) for k in ("compute", "hook", "python", "ssd", "ram", "overlap")} | \
+    return {k: 1e3 * getattr(split, k) for k in ("compute", "hook", "python", "ssd", "ram", "view", "overlap")} | \
         {"total": 1e3 * split.total}
 
 

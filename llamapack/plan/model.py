@@ -18,7 +18,8 @@ ubatch are made resident once (one cache step per layer and ubatch), so
     t = compute(P, U) + ubatches * (n_moe_layers * hook + Python's steps and loads) + reads + copies,
 a Python load in a prefill step costing ``python_prefill_load_s`` (its steps batch tens of misses), a RAM-tier hit
 ``prefill_ram_hit_s`` beyond its copy (GPU pool), and a process's first request's reads ``cold_read_factor`` times
-the probed time (``cold``).
+the probed time (``cold``). A GPU pool's multi-token matmuls also walk every slot of the pool, not only the
+layer's experts (``pool_view_s``), unless whole-pool graphs give each layer its own view.
 
 Compute is vanilla llama.cpp's time for the model (every expert resident). On a GPU it is scaled from the
 measured reference model (``Costs``) by the bytes a token reads (non-expert weights + top-k experts per MoE
@@ -82,12 +83,22 @@ class Costs:
     # requests give 2.0-2.1. Only the bench comparison's first request uses it (the plan's own prefill is warm).
     cold_read_factor: float = 1.76
     # per RAM-tier hit in a prefill step on a GPU pool, beyond its copy at the probed H2D rate (the tier hit's
-    # handling: slot, copy issue and wait): the native RAM-tier runs of gpu_hotpath_q30b.json (pack-25% and
-    # pack-50%+ram+preload, 512 and 32 tokens: every prefill miss a tier hit), (prefill_s - vanilla's prefill -
-    # 48 hooks) summed over their tier hits summed: 803.7 ms / 10863 = 74.0 us, less 2.53 MiB at 55.29 GB/s (48.0
-    # us). Held out: granite's pair gives 74 and 67 us per hit against 83 predicted. In decode this cost is inside
-    # gpu_hook_s_per_layer (fitted on the same runs' decode with their copies at the probed rate).
-    prefill_ram_hit_s: float = 26.0e-6
+    # handling: slot, copy issue and wait): fitted with the pool-view term below (its comment gives the data). In
+    # decode this cost is inside gpu_hook_s_per_layer (fitted on decode with the copies at the probed rate).
+    prefill_ram_hit_s: float = 9.5e-6
+    # a GPU pool's multi-token ubatch (prefill): its matmuls see the whole pool (the remap op's and the slot
+    # lookup's graphs; whole-pool graphs give each layer a view of its own experts), and CUDA's mul_mat_id sizes
+    # its work by the expert count the weights declare (mmq.cu: the ids helper runs a block per expert, each
+    # scanning the ubatch's ids; the MMQ grid's z is that count). Per expert matmul (3 a MoE layer) and slot
+    # beyond the layer's experts: view_s_per_slot + view_s_per_slot_token x the ubatch's tokens. Fitted with
+    # prefill_ram_hit_s (least squares, 6 points) on gpu_lookup_q30b.json's native RAM-tier runs with pools of
+    # 1536, 3072 and 6144 slots: first 512-token requests (4804 tier hits each) 591.2, 640.5, 759.9 ms; second
+    # 32-token requests (854, 401, 42 tier hits) 86.3, 75.2, 85.8 ms; less vanilla's and 48 hooks. The fit is
+    # within 1% of each; gpu_hotpath_q30b.json's four such rows (another call) within 1.5-3.1%. A tier hit then
+    # costs 57.5 us in prefill: its copy at 55.29 GB/s (48.0 us) and 9.5 us (prefill_ram_hit_s, above; it was
+    # 26.0 us when this term was not modelled and the tier hits carried it).
+    gpu_view_s_per_slot: float = 55.1e-9
+    gpu_view_s_per_slot_token: float = 0.394e-9
     # provider callback on the host (no device sync): 27.2 us per acquire (provider_overhead_h200_cpu.json); a host
     # pool's every step, Python or native (not measured with the native path)
     host_hook_s_per_layer: float = 27.17e-6
@@ -97,6 +108,8 @@ class Costs:
     # (57.2 tok/s measured, gpu_prefetch_README.md second round) fits the serial model within 3%
     io_overlap: float = 0.0
 
+
+EXPERT_MATMULS_PER_LAYER = 3  # gate, up, down (a fused gate_up model has 2: the view term is then over-counted)
 
 DEFAULT_COSTS = Costs()
 
@@ -220,10 +233,11 @@ class TimeSplit:
     ram: float
     overlap: float = 0.0
     python: float = 0.0  # the Python provider's steps and loads (GPU pool)
+    view: float = 0.0    # prefill matmuls through a pool view wider than a layer's experts (pool_view_s)
 
     @property
     def total(self) -> float:
-        return self.compute + self.hook + self.python + self.ssd + self.ram - self.overlap
+        return self.compute + self.hook + self.python + self.ssd + self.ram + self.view - self.overlap
 
 
 def decode_compute_s(shape: ModelShape, machine: Machine, costs: Costs = DEFAULT_COSTS) -> float:
@@ -312,11 +326,25 @@ def decode_time(shape: ModelShape, machine: Machine, per_token: StepLoads, costs
     return TimeSplit(compute, hook, ssd, ram, overlap, python)
 
 
+def pool_view_s(shape: ModelShape, machine: Machine, pool_slots: int, n_tokens: int, n_ubatch: int,
+                costs: Costs = DEFAULT_COSTS, whole_pool: bool = False) -> float:
+    """Seconds the prefill of ``n_tokens`` (ubatches of ``n_ubatch``) spends in its matmuls walking the pool's
+    slots beyond a layer's experts (``Costs.gpu_view_s_per_slot``): a GPU pool's multi-token ubatches, unless
+    whole-pool graphs give each layer a view of its own experts."""
+    if not machine.gpu or whole_pool or pool_slots <= shape.n_experts:
+        return 0.0
+    multi_token = [min(n_ubatch, n_tokens - start) for start in range(0, n_tokens, n_ubatch)]
+    multi_token = [n for n in multi_token if n > 1]  # one token: the vector kernels, sized by the ids
+    per_slot = sum(costs.gpu_view_s_per_slot + n * costs.gpu_view_s_per_slot_token for n in multi_token)
+    return shape.n_moe_layers * EXPERT_MATMULS_PER_LAYER * (pool_slots - shape.n_experts) * per_slot
+
+
 def prefill_time(shape: ModelShape, machine: Machine, n_tokens: int, n_ubatch: int, per_ubatch: StepLoads,
                  costs: Costs = DEFAULT_COSTS, native_hot_path: bool = True, cold: bool = False,
-                 whole_pool: bool = False) -> TimeSplit:
+                 whole_pool: bool = False, pool_slots: int = 0) -> TimeSplit:
     """Seconds to prefill ``n_tokens`` (module docstring); ``per_ubatch``: the loads of one ubatch, all layers;
-    ``cold``: the first request of a process (its SSD reads cost ``Costs.cold_read_factor`` times more)."""
+    ``cold``: the first request of a process (its SSD reads cost ``Costs.cold_read_factor`` times more);
+    ``pool_slots``: the pool's (the matmuls' view: ``pool_view_s``; 0: none)."""
     n_ubatches = math.ceil(n_tokens / n_ubatch)
     compute = prefill_compute_s(shape, machine, n_tokens, n_ubatch, costs)
     hook, python = step_costs(shape, machine, per_ubatch, costs, native_hot_path, prefill=True, whole_pool=whole_pool)
@@ -325,7 +353,8 @@ def prefill_time(shape: ModelShape, machine: Machine, n_tokens: int, n_ubatch: i
     ram += per_ubatch.ram_hits * costs.prefill_ram_hit_s if machine.gpu else 0.0
     hook, python, ssd, ram = hook * n_ubatches, python * n_ubatches, ssd * n_ubatches, ram * n_ubatches
     overlap = costs.io_overlap * min(ssd + ram, compute + hook)
-    return TimeSplit(compute, hook, ssd, ram, overlap, python)
+    view = pool_view_s(shape, machine, pool_slots, n_tokens, n_ubatch, costs, whole_pool)
+    return TimeSplit(compute, hook, ssd, ram, overlap, python, view)
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,8 @@ def predict(shape: ModelShape, machine: Machine, label: str, budgets: Budgets, t
             shape, n_tokens, budgets.n_ubatch, budgets.pool_slots, budgets.tier_blocks, policy=policy,
             prompt_source=prompt_source)
         prefill[n_tokens] = prefill_time(shape, machine, n_tokens, budgets.n_ubatch, per_ubatch, costs, native,
-                                         cold=n_tokens in cold_lengths, whole_pool=whole)
+                                         cold=n_tokens in cold_lengths, whole_pool=whole,
+                                         pool_slots=budgets.pool_slots if budgets.gpu else 0)
     return Prediction(label, budgets, decode_time(shape, machine, per_token, costs, native, whole), per_token, prefill,
                       memory_use(shape, budgets, n_ctx), shape.block_bytes)
 
