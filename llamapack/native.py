@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 10
+EXPECTED_API_VERSION = 11
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -162,6 +162,13 @@ def set_slot_lookup(ctx, max_tokens: int, whole_pool: bool = True) -> None:
         raise NativeError(last_error(ctx))
 
 
+def set_load_ahead(ctx, min_tokens: int) -> None:
+    """After a step of at least ``min_tokens`` tokens (0: off), the next layer's experts in the RAM tier are
+    copied into the pool while the layer computes (llama_expert_load_ahead_set; the native hot path's)."""
+    if lib().llama_expert_load_ahead_set(ctx, min_tokens) != 0:
+        raise NativeError(last_error(ctx))
+
+
 def hook_stats(ctx) -> dict:
     """Calls and wall seconds inside the provider and prefetch callbacks, timed on libllama's side, and the
     steps the slot lookup served."""
@@ -210,7 +217,8 @@ def fast_path_counts(ctx) -> dict:
     return dict(acquires=out.steps, native_steps=out.steps, tokens=out.tokens, cache_hits=out.cache_hits,
                 cache_misses=out.cache_misses, cache_evictions=out.cache_evictions, ram_hits=out.ram_hits,
                 h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s,
-                cpu_experts=out.cpu_experts, cpu_s=out.cpu_s)
+                cpu_experts=out.cpu_experts, cpu_s=out.cpu_s, ahead_loads=out.ahead_loads,
+                ahead_unused=out.ahead_unused)
 
 
 def set_hybrid(ctx, upload_share: float, n_threads: int, max_tokens: int, block_offsets, fill_pool: bool = True) -> object:

@@ -148,6 +148,21 @@ class NativeNextUsePolicy:
         self._lib.llama_expert_policy_seed(self.ptr, layers, n_shares, ffi.from_buffer("double[]", shares),
                                           len(arrays))
 
+    def load_ahead(self, keys: Sequence[Key], pinned: Sequence[Key]) -> AcquirePlan:
+        keys, pinned = list(keys), list(pinned)
+        self._put_keys(keys)
+        pins = native.ffi.new("int32_t[]", list(_flatten(pinned)) or [0])
+        n = self._lib.llama_expert_policy_load_ahead(self.ptr, self._keys, len(keys), pins, len(pinned),
+                                                     self._out_keys, self._out_slots, self._evicted_keys,
+                                                     self._evicted_slots, self._n_evicted)
+        if n < 0:
+            raise ValueError(f"expert keys must be non-negative (layer, expert) pairs: {keys}, {pinned}")
+        unpack, n_evicted = native.ffi.unpack, self._n_evicted[0]
+        loads = tuple(SlotAssignment(key, slot, False)
+                      for key, slot in zip(self._keys_out(self._out_keys, n), unpack(self._out_slots, n)))
+        return AcquirePlan(loads, tuple(map(Eviction, self._keys_out(self._evicted_keys, n_evicted),
+                                            unpack(self._evicted_slots, n_evicted))))
+
     def preload(self, keys: Sequence[Key]) -> tuple[SlotAssignment, ...]:
         keys = list(keys)
         self._put_keys(keys)

@@ -237,6 +237,46 @@ class NextUsePolicy:
             self._queue(number, self._layers[number])
         return tuple(loads)
 
+    def load_ahead(self, keys: Sequence[Key], pinned: Sequence[Key]) -> AcquirePlan:
+        """Give ``keys`` (those not resident) slots before the step that wants them: the provider copies them while
+        the current step computes (a prefill ubatch's next layer). Victims are found as ``acquire`` finds them,
+        but the current step's keys (``pinned``: their kernels still read their slots) and ``keys`` are never
+        evicted; it stops when nothing else is left to evict. Not a visit: nothing is learned, no period
+        changes; the keys are ranked by their layers' latest estimate (as ``preload`` does). The plan's
+        assignments are the loads (hit False), in first-seen order."""
+        wanted = distinct_keys(keys)
+        named = distinct_keys([*pinned, *wanted])
+        pins = set(named)  # _pop_victim passes them over
+        n_pins = sum(key in self._slot_of for key in named)
+        loads, evictions = [], []
+        try:
+            for key in wanted:
+                if key in self._slot_of:
+                    continue
+                if n_pins >= self.n_slots:
+                    break
+                n_pins += 1
+                layer = self._layers.get(key[0])
+                if layer is None:
+                    layer = self._layers[key[0]] = _Layer(len(self._layers) + 1, self.horizon)
+                    layer.weight = self._weights(layer)
+                layer.grow(key[1] + 1, self.horizon)
+                if self._free_slots:
+                    slot = heapq.heappop(self._free_slots)
+                else:
+                    victim = self._pop_victim(pins)
+                    slot = self._slot_of.pop(victim)
+                    self._layers[victim[0]].members.discard(victim[1])
+                    evictions.append(Eviction(victim, slot))
+                self._slot_of[key] = slot
+                layer.members.add(key[1])
+                layer.order = None  # ranked again, with its new members, when a victim is looked for
+                loads.append(SlotAssignment(key, slot, False))
+        finally:  # pinned fronts were skipped: the layers of the resident keys named here are queued again
+            for number in dict.fromkeys(key[0] for key in named if key in self._slot_of):
+                self._queue(number, self._layers[number])
+        return AcquirePlan(tuple(loads), tuple(evictions))
+
     def _weights(self, layer: _Layer) -> np.ndarray:
         """weight[a] = rate[a] / mean count of the layer's keys of age a (p = weight[age] * count)."""
         return self._used * layer.classes / np.maximum(

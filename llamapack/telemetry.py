@@ -58,6 +58,8 @@ class ProviderCounters:
     native_steps: int = 0  # acquires served inside libllama (native hot path: no Python), counted in acquires too
     cpu_experts: int = 0   # hybrid: slot-pool misses computed on the CPU from their RAM block (in ram_hits too)
     cpu_s: float = 0.0     # hybrid: seconds computing them (the copies of the step's other misses overlap it)
+    ahead_loads: int = 0   # load-ahead: misses copied in while the layer before computed (in cache_misses too) ...
+    ahead_unused: int = 0  # ... and the experts loaded ahead that their step did not ask for
 
     @property
     def lookups(self) -> int:

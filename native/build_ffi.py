@@ -80,6 +80,10 @@ void    llama_expert_policy_seed(struct llama_expert_policy * policy, const int3
                                  const double * shares, int32_t n_layers);
 int32_t llama_expert_policy_preload(struct llama_expert_policy * policy, const int32_t * keys, int32_t n_keys,
                                     int32_t * load_keys, int32_t * load_slots);
+int32_t llama_expert_policy_load_ahead(struct llama_expert_policy * policy, const int32_t * keys, int32_t n_keys,
+                                       const int32_t * pinned, int32_t n_pinned, int32_t * load_keys,
+                                       int32_t * load_slots, int32_t * evicted_keys, int32_t * evicted_slots,
+                                       int32_t * n_evicted);
 
 struct llama_expert_policy;
 typedef int32_t (*llama_expert_h2d_fn)(uint64_t dst, const void * src, size_t nbytes, void * stream);
@@ -116,11 +120,14 @@ struct llama_expert_fast_path_stats {
     double   copy_s;
     int64_t  cpu_experts;
     double   cpu_s;
+    int64_t  ahead_loads;
+    int64_t  ahead_unused;
 };
 int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool whole_pool);
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);
 int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
+int32_t llama_expert_load_ahead_set(struct llama_context * ctx, int32_t min_tokens);
 
 struct llama_expert_hybrid_desc {
     double           upload_share;

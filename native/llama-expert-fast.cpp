@@ -65,8 +65,15 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error) {
     const auto started = std::chrono::steady_clock::now();
     const int32_t n_ids = n_used * n_tokens;
-    if (copies_pending && !finish_copies(error)) { // hybrid's copies behind the last step (fill_pool)
+    if (copies_pending && !finish_copies(error)) { // hybrid's copies behind the last step, or load-ahead's
         return FAILED;
+    }
+    const bool ahead_step = layer == ahead_layer; // its flags are read when the step is served
+    if (ahead_layer >= 0 && !ahead_step) {        // loaded ahead for a step that did not come next
+        for (uint8_t flag : ahead_loaded) {
+            counts.ahead_unused += flag;
+        }
+        ahead_layer = -1;
     }
 
     // the step's distinct keys in first-seen order (the policy's order too)
@@ -186,16 +193,77 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         slots[i] = key_slot[position[ids[i]]];
     }
     forget_positions();
+    int32_t n_ahead = 0; // hits loaded ahead for this step: counted as the misses they were
+    if (ahead_step) {
+        int32_t n_flagged = 0;
+        for (uint8_t flag : ahead_loaded) {
+            n_flagged += flag;
+        }
+        for (int32_t k = 0; k < n_keys; ++k) {
+            n_ahead += ahead_loaded[keys[2*k + 1]];
+        }
+        counts.ahead_unused += n_flagged - n_ahead;
+        ahead_layer = -1;
+    }
     counts.steps++;
     counts.tokens          += layer == first_layer ? n_tokens : 0;
-    const int32_t n_misses = behind ? n_loads : n_loads + n_cpu;
-    counts.cache_hits      += n_pool_keys - n_loads;
+    const int32_t n_misses = (behind ? n_loads : n_loads + n_cpu) + n_ahead;
+    counts.cache_hits      += n_pool_keys - n_loads - n_ahead;
     counts.cache_misses    += n_misses;
     counts.cache_evictions += n_evicted;
     counts.ram_hits        += n_misses;
     counts.cpu_experts     += n_cpu;
     counts.seconds         += seconds_between(started, std::chrono::steady_clock::now());
     return SERVED;
+}
+
+bool llama_expert_fast_path::load_ahead(int32_t layer, const int32_t * ids, int32_t n_ids, int32_t next_layer,
+                                        int32_t n_expert_next, std::string & error) {
+    if (tier == nullptr || !tier_holds_every_key || copies_pending || behind_layer >= 0 ||
+            spans_of_layer.count(next_layer) == 0) {
+        return true;
+    }
+    ahead_keys.clear();
+    for (int32_t e = 0; e < n_expert_next; ++e) {
+        if (llama_expert_policy_slot_of(pool, next_layer, e) < 0 && llama_expert_policy_slot_of(tier, next_layer, e) >= 0) {
+            ahead_keys.push_back(next_layer);
+            ahead_keys.push_back(e);
+        }
+    }
+    const int32_t n_candidates = (int32_t) ahead_keys.size() / 2;
+    if (n_candidates == 0) {
+        return true;
+    }
+    ahead_pins.resize(2 * (size_t) n_ids);
+    for (int32_t i = 0; i < n_ids; ++i) {
+        ahead_pins[2*i]     = layer;
+        ahead_pins[2*i + 1] = ids[i];
+    }
+    load_keys.resize(2 * n_candidates); load_slots.resize(n_candidates);
+    evicted_keys.resize(2 * n_candidates); evicted_slots.resize(n_candidates);
+    int32_t n_evicted = 0;
+    const int32_t n_loads = llama_expert_policy_load_ahead(pool, ahead_keys.data(), n_candidates, ahead_pins.data(), n_ids,
+                                                           load_keys.data(), load_slots.data(), evicted_keys.data(),
+                                                           evicted_slots.data(), &n_evicted);
+    if (n_loads < 0) {
+        error = "layer " + std::to_string(next_layer) + ": the pool's policy refused the experts to load ahead";
+        return false;
+    }
+    load_keys.resize(2 * n_loads); load_slots.resize(n_loads);
+    counts.cache_evictions += n_evicted;
+    if (n_loads == 0) {
+        return true;
+    }
+    if (copy_loads(next_layer, 0, n_loads, /*wait =*/ false, error) != SERVED) {
+        return false; // copy_loads abandoned the loads
+    }
+    ahead_layer = next_layer;
+    ahead_loaded.assign(n_expert_next, 0);
+    for (int32_t i = 0; i < n_loads; ++i) {
+        ahead_loaded[load_keys[2*i + 1]] = 1;
+    }
+    counts.ahead_loads += n_loads;
+    return true;
 }
 
 // the CPU keys' RAM blocks (the tier's acquire marks them used, as a copy's would), one row per id

@@ -29,6 +29,13 @@ public:
     result serve(int32_t layer, int32_t n_expert, const int32_t * ids, int32_t n_used, int32_t n_tokens,
                  int32_t * slots, std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error);
 
+    // load-ahead (llama_expert_load_ahead_set): after a step of `layer` (ids: its experts, kept), give the
+    // experts of next_layer that wait in RAM blocks slots and start their copies (the next serve() waits for
+    // them). Does nothing without a tier that holds every key or while hybrid copies are pending. False with
+    // error set when a copy failed (its loads abandoned).
+    bool load_ahead(int32_t layer, const int32_t * ids, int32_t n_ids, int32_t next_layer, int32_t n_expert_next,
+                    std::string & error);
+
     // wait for copies serve() left running; false with error set when they failed
     bool finish_copies(std::string & error);
 
@@ -85,6 +92,9 @@ private:
     bool                  copies_pending = false;
     std::vector<int32_t>  pending_loads;  // keys [n][2] whose copies are still running
     int32_t               behind_layer = -1, behind_from = 0; // loads [behind_from, n) of behind_layer: copies behind
+    int32_t               ahead_layer = -1;  // load-ahead: the layer whose experts ahead_loaded flags
+    std::vector<uint8_t>  ahead_loaded;      // per expert of ahead_layer: loaded ahead, not yet asked for
+    std::vector<int32_t>  ahead_keys, ahead_pins;
 
     llama_expert_fast_path_stats counts = {};
 

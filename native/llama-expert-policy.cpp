@@ -142,6 +142,7 @@ struct llama_expert_next_use_impl {
     std::vector<uint32_t>              layer_stamps;  // by layer id: == stamp for the current call's layers
     std::vector<int32_t>               group_of_layer;
     std::vector<llama_expert_key>      wanted;        // the current call's distinct keys, first seen first
+    std::vector<llama_expert_key>      ahead_order, both; // load_ahead's keys, and its pins then keys
     std::vector<int32_t>               group_layers, group_starts, grouped_experts;
     std::vector<int64_t>               step_ages;
     std::vector<double>                class_totals;
@@ -569,6 +570,61 @@ struct llama_expert_next_use_impl {
             }
         }
     }
+
+    // the reference's load_ahead: slots for the keys not resident, never evicting the resident ones of `pinned`
+    // or of `keys`; stops when nothing else is left to evict. No visit.
+    void load_ahead(const llama_expert_key * keys, int32_t n_keys, const llama_expert_key * pinned, int32_t n_pinned,
+                    std::vector<llama_expert_assignment> & loads, std::vector<llama_expert_eviction> & evicted) {
+        loads.clear();
+        evicted.clear();
+        ahead_order.clear();  // the keys' first-seen order, taken before the pins' marks
+        collect_distinct(keys, n_keys);
+        ahead_order.swap(wanted);
+        both.assign(pinned, pinned + std::max(n_pinned, 0));
+        both.insert(both.end(), keys, keys + std::max(n_keys, 0));
+        collect_distinct(both.data(), (int32_t) both.size());  // marked: pop_victim passes them over
+        int64_t n_pins = 0;
+        for (const llama_expert_key & key : wanted) {
+            n_pins += slot_of(key) >= 0;
+        }
+        for (const llama_expert_key & key : ahead_order) {
+            if (slot_of(key) >= 0) {
+                continue;
+            }
+            if (n_pins >= n_slots) {
+                break;
+            }
+            n_pins++;
+            int32_t index = layer_index(key.layer);
+            if (index < 0) {
+                index = create_layer(key.layer, (int64_t) layers.size() + 1);
+                compute_weights(layers[index]);
+            }
+            grow(layers[index], (size_t) key.expert + 1);
+            int32_t slot;
+            if (!free_slots.empty()) {
+                slot = pop_free_slot();
+                n_resident++;
+            } else {
+                const victim_key victim = pop_victim();
+                layer_state & owner = layers[victim.index];
+                slot = owner.slots[victim.expert];
+                owner.slots[victim.expert] = -1;
+                owner.n_resident--;
+                evicted.push_back({{owner.id, victim.expert}, slot});
+            }
+            layer_state & layer = layers[index];
+            layer.slots[key.expert] = slot;
+            layer.n_resident++;
+            layer.ranked = false;  // ranked again, with its new members, when a victim is looked for
+            loads.push_back({key, slot, false});
+        }
+        for (const llama_expert_key & key : wanted) {  // pinned fronts were skipped: their layers queued again
+            if (slot_of(key) >= 0 && first_of_layer(key.layer)) {
+                queue(index_of_layer[key.layer]);
+            }
+        }
+    }
 };
 
 namespace {
@@ -703,6 +759,19 @@ void llama_expert_next_use::preload(const llama_expert_key * keys, int32_t n_key
         return;
     }
     impl->preload(keys, n_keys, loads);
+}
+
+// false, changing nothing, when an id is negative
+bool llama_expert_next_use::load_ahead(const llama_expert_key * keys, int32_t n_keys, const llama_expert_key * pinned,
+                                       int32_t n_pinned, std::vector<llama_expert_assignment> & loads,
+                                       std::vector<llama_expert_eviction> & evicted) {
+    loads.clear();
+    evicted.clear();
+    if (!valid_keys(keys, n_keys) || !valid_keys(pinned, n_pinned)) {
+        return false;
+    }
+    impl->load_ahead(keys, n_keys, pinned, n_pinned, loads, evicted);
+    return true;
 }
 
 // ---- the C API -------------------------------------------------------------------------------------------
@@ -880,6 +949,33 @@ LLAMA_EXPERT_API int32_t llama_expert_policy_preload(llama_expert_policy * polic
         put_key(load_keys, i, policy->assignments[i].key);
         load_slots[i] = policy->assignments[i].slot;
     }
+    return n_loads;
+}
+
+// the loads (keys [n][2] and slots, first-seen order) and the victims; -2: a negative id (nothing changed)
+LLAMA_EXPERT_API int32_t llama_expert_policy_load_ahead(llama_expert_policy * policy, const int32_t * keys,
+        int32_t n_keys, const int32_t * pinned, int32_t n_pinned, int32_t * load_keys, int32_t * load_slots,
+        int32_t * evicted_keys, int32_t * evicted_slots, int32_t * n_evicted) {
+    std::vector<llama_expert_key> pins(std::max(n_pinned, 0));
+    for (int32_t i = 0; i < n_pinned; ++i) {
+        pins[i] = {pinned[2*i], pinned[2*i + 1]};
+    }
+    *n_evicted = 0;
+    if (!policy->policy.load_ahead(policy->read_keys(keys, n_keys), n_keys, pins.data(), n_pinned,
+                                   policy->assignments, policy->evictions)) {
+        return -2;
+    }
+    const int32_t n_loads = (int32_t) policy->assignments.size();
+    for (int32_t i = 0; i < n_loads; ++i) {
+        put_key(load_keys, i, policy->assignments[i].key);
+        load_slots[i] = policy->assignments[i].slot;
+    }
+    const int32_t n_victims = (int32_t) policy->evictions.size();
+    for (int32_t i = 0; i < n_victims; ++i) {
+        put_key(evicted_keys, i, policy->evictions[i].key);
+        evicted_slots[i] = policy->evictions[i].slot;
+    }
+    *n_evicted = n_victims;
     return n_loads;
 }
 

@@ -62,6 +62,10 @@ public:
     // before the first acquire: layers already seen are left alone; n_layers is len(popularity) in the reference
     void   seed(const std::vector<std::pair<int32_t, std::vector<double>>> & popularity);
     void   preload(const llama_expert_key * keys, int32_t n_keys, std::vector<llama_expert_assignment> & loads);
+    // the reference's load_ahead: slots for `keys` not resident, never evicting the resident ones of `pinned` or
+    // `keys` (stops when nothing else is left to evict); not a visit. False, changing nothing, on a negative id.
+    bool   load_ahead(const llama_expert_key * keys, int32_t n_keys, const llama_expert_key * pinned, int32_t n_pinned,
+                      std::vector<llama_expert_assignment> & loads, std::vector<llama_expert_eviction> & evicted);
 
 private:
     llama_expert_next_use_impl * impl;

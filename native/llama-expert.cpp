@@ -57,6 +57,7 @@ struct llama_expert_layer_binding {
     // lookahead: the routers of the next served layers, nearest first (up to LLAMA_EXPERT_MAX_LOOKAHEAD)
     std::vector<llama_expert_lookahead_target> ahead;
     int32_t position = 0; // among the served layers, ascending (a replayed trace's layer index)
+    llama_expert_layer_binding * next = nullptr; // the next served layer (load-ahead)
     // slot lookup (GPU pools): this layer's slot map, I32 [1, n_expert] in host memory, and the step's n_used
     ggml_tensor *        slot_map = nullptr;
     int32_t              n_used   = 0;
@@ -120,6 +121,7 @@ struct llama_expert_hook {
     llama_expert_prefetch_fn prefetch = nullptr;
     void *                   prefetch_data = nullptr;
     int32_t                  prefetch_depth = 1;
+    int32_t                  load_ahead_min_tokens = 0; // llama_expert_load_ahead_set (0: off)
 
     // wall time spent in the callbacks, measured on this side (remap ops run on one thread, one at a time)
     llama_expert_hook_stats stats = {};
@@ -404,6 +406,14 @@ static void remap_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     std::copy(hook->scratch_slots.begin(), hook->scratch_slots.end(), out);
     for (const auto & row : hook->cpu_rows) {
         out[n + row.row] = row.row % n_used; // the CPU's row
+    }
+    // load-ahead: the next layer's experts copied in while this layer's matmuls run (prefill ubatches)
+    if (hook->fast && b->next != nullptr && hook->load_ahead_min_tokens > 0 && n_tokens >= hook->load_ahead_min_tokens &&
+            !hook->fast->load_ahead(b->layer, hook->scratch_ids.data(), (int32_t) n, b->next->layer, b->next->n_expert,
+                                    fast_error(hook))) {
+        hook->set_error(hook->fast_error);
+        hook->failed = true;
+        return;
     }
 
     // lookahead: src[1 + d] is the top-k of the router of b->ahead[d] applied to this layer's FFN input
@@ -968,6 +978,7 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
         std::sort(served.begin(), served.end());
         for (size_t i = 0; i < served.size(); ++i) {
             binding_by_layer[served[i]]->position = (int32_t) i;
+            binding_by_layer[served[i]]->next = i + 1 < served.size() ? binding_by_layer[served[i + 1]] : nullptr;
         }
     }
 
@@ -1122,6 +1133,15 @@ int32_t llama_expert_fast_path_set_block(llama_context * ctx, int32_t block, voi
         hook->set_error("fast path: no RAM block " + std::to_string(block) + " to move");
         return -1;
     }
+    return 0;
+}
+
+int32_t llama_expert_load_ahead_set(llama_context * ctx, int32_t min_tokens) {
+    llama_expert_hook * hook = ctx ? ctx->expert_hook.get() : nullptr;
+    if (hook == nullptr) {
+        return -1;
+    }
+    hook->load_ahead_min_tokens = std::max(min_tokens, 0);
     return 0;
 }
 

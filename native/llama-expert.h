@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 10
+#define LLAMA_EXPERT_API_VERSION 11
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -188,6 +188,12 @@ LLAMA_EXPERT_API void    llama_expert_policy_seed(struct llama_expert_policy * p
 // preload: writes the loads' keys ([n][2]) and slots (room for n_keys); returns how many
 LLAMA_EXPERT_API int32_t llama_expert_policy_preload(struct llama_expert_policy * policy, const int32_t * keys,
         int32_t n_keys, int32_t * load_keys, int32_t * load_slots);
+// load_ahead (API 11; the reference's NextUsePolicy.load_ahead): slots for the keys not resident, never evicting
+// the resident keys of `pinned` ([n_pinned][2]) or `keys`; writes the loads (room for n_keys) and the victims (room
+// for n_keys); returns how many loads, -2 on a negative id (nothing changed)
+LLAMA_EXPERT_API int32_t llama_expert_policy_load_ahead(struct llama_expert_policy * policy, const int32_t * keys,
+        int32_t n_keys, const int32_t * pinned, int32_t n_pinned, int32_t * load_keys, int32_t * load_slots,
+        int32_t * evicted_keys, int32_t * evicted_slots, int32_t * n_evicted);
 
 // ---- Native hot path ------------------------------------------------------------------------------------
 // With a fast path set, the remap op asks the pool's policy (the same instance the provider acquires from)
@@ -238,6 +244,8 @@ struct llama_expert_fast_path_stats {
     double   copy_s;      // issuing the copies and waiting for them
     int64_t  cpu_experts; // hybrid: (step, expert) pairs computed on the CPU from RAM blocks (counted in ram_hits)
     double   cpu_s;       // hybrid: wall time computing them
+    int64_t  ahead_loads;  // load-ahead (API 11): experts copied in before their step (counted as that step's misses)
+    int64_t  ahead_unused; // of those, the ones their step did not ask for
 };
 
 // desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).
@@ -245,6 +253,15 @@ LLAMA_EXPERT_API int32_t llama_expert_fast_path_set(struct llama_context * ctx, 
 // a RAM block's memory was replaced (after an abandoned read): copies come from addr from now on
 LLAMA_EXPERT_API int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 LLAMA_EXPERT_API int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
+
+// Load-ahead (API 11): after the remap op served a step of at least min_tokens tokens (a prefill ubatch; 0: off),
+// the next served layer's experts that are in neither the pool nor the step get slots from the pool's policy
+// (llama_expert_policy_load_ahead: the step's experts are kept) and their copies from the RAM tier start on the
+// provider's stream while this layer's matmuls run; the next step waits for them. Only with the native hot
+// path and a RAM tier that holds every expert (no SSD read, no block rewritten). The pool's policy then sees
+// one more call per layer (no visit: nothing learned); the kernels' inputs are unchanged (same experts, same
+// bytes), so results stay bit-identical. -1: no hook.
+LLAMA_EXPERT_API int32_t llama_expert_load_ahead_set(struct llama_context * ctx, int32_t min_tokens);
 
 // ---- Hybrid execution (native/llama-expert-hybrid.cpp) ----------------------------------------------------
 // With the native hot path set with a RAM tier, a step it serves may leave some of its pool misses in their

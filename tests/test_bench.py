@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from llamapack.bench.cgroup import MemoryCage
-from llamapack.bench.configs import BenchConfig, default_matrix, parse_config, schedule, select
+from llamapack.bench.configs import AHEAD_MIN_TOKENS, BenchConfig, default_matrix, parse_config, schedule, select
 from llamapack.bench.diskbw import random_read_bandwidth
 from llamapack.bench.report import combine, compare_digests, markdown, plot, ratios, summaries
 
@@ -172,6 +172,27 @@ def test_oppath_runs_the_remap_op_instead_of_the_slot_lookup():
     assert lookup_option(New, op) == {"slot_lookup_max_tokens": 0}
     with pytest.raises(ValueError, match="slot_lookup_max_tokens must be >= 0"):
         StreamingSettings(slot_lookup_max_tokens=-1)
+
+
+def test_ahead_loads_ahead_with_a_ram_tier_only():
+    from llamapack.bench.worker import lookup_option
+
+    ahead = parse_config("pack-25%+ram+preload+ahead", 16)
+    assert ahead.load_ahead and not parse_config("pack-25%+ram+preload", 16).load_ahead
+    for name in ("pack-25%+ahead", "vanilla-vram+ahead", "pack-25%+ram+pyhot+ahead"):
+        with pytest.raises(ValueError, match="ahead .* needs a RAM tier"):
+            parse_config(name, 16)
+
+    class Old:
+        def __init__(self, model_path, **kwargs):
+            pass
+
+    class New:
+        def __init__(self, model_path, *, load_ahead_min_tokens=0, **kwargs):
+            pass
+    with pytest.raises(RuntimeError, match=r"\+ahead needs llamapack.Llama to take load_ahead_min_tokens"):
+        lookup_option(Old, ahead)
+    assert lookup_option(New, ahead) == {"load_ahead_min_tokens": AHEAD_MIN_TOKENS}
 
 
 def test_nowhole_keeps_the_lookup_when_the_pool_holds_every_expert():

@@ -419,3 +419,27 @@ def test_the_native_hot_path_decides_as_the_python_provider(preset, n_ubatch, ti
     assert native["stats"]["provider_calls"] == in_python  # a native step never called the provider
     if tier == "all":  # after the first reads every miss is a RAM hit: almost nothing reaches Python
         assert steps > 3 * in_python and native["stats"]["cache_misses"] > native["stats"]["ram_misses"]
+
+
+@pytest.mark.parametrize("preset", ["qwen3moe-tiny", "mixtral-tiny"])
+def test_load_ahead_keeps_the_logits_and_the_steps(preset, models, vanilla, tmp_path):
+    """StreamingSettings.load_ahead_min_tokens: after each multi-token step the next layer's experts that wait
+    in the RAM tier are loaded ahead (here with memcpy into a host pool; on a GPU the copies overlap the layer's
+    matmuls). The kernels see the same experts: vanilla's logits. The steps and their lookups are the same, the
+    keys loaded ahead count as their step's misses, and most of them are used."""
+    n_ubatch, n_slots = 7, 2 * small_pool(preset, 7) + 2
+    streaming = dict(stage_slots=3, ram_cache_mib=tier_mib(models, preset, n_keys(preset)))
+    runs = {}
+    for min_tokens in (0, 2):
+        out = tmp_path / f"{min_tokens}.npy"
+        spec = spec_for(models[preset][0], n_ubatch, out, provider="streaming", n_slots=n_slots,
+                        streaming=dict(streaming, load_ahead_min_tokens=min_tokens), **source_spec(models, preset, "pack"))
+        runs[min_tokens] = run_self(spec, tmp_path)
+        assert np.array_equal(np.load(out), vanilla(preset, n_ubatch)), f"load_ahead_min_tokens={min_tokens}"
+    off, on = runs[0]["stats"], runs[2]["stats"]
+    assert off["ahead_loads"] == 0 and on["ahead_loads"] > 0
+    assert 0 <= on["ahead_unused"] < on["ahead_loads"]
+    for counter in ("acquires", "tokens"):
+        assert on[counter] == off[counter], counter
+    assert on["cache_hits"] + on["cache_misses"] == off["cache_hits"] + off["cache_misses"]
+    assert on["cache_misses"] >= on["ahead_loads"] - on["ahead_unused"]

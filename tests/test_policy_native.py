@@ -61,6 +61,11 @@ class Twins:
     def preload(self, keys) -> None:
         assert self.native.preload(keys) == self.reference.preload(keys)
 
+    def load_ahead(self, keys, pinned):
+        plan = self.native.load_ahead(keys, pinned)
+        assert plan == self.reference.load_ahead(keys, pinned), f"after call {self.calls}: load_ahead {keys[:4]}..."
+        return plan
+
     def seed(self, popularity) -> None:
         self.reference.seed(popularity)
         self.native.seed(popularity)
@@ -177,6 +182,53 @@ def test_qwen3_30b_requests_with_prefill_preloads_repeats_and_failed_loads(lib, 
     twins = Twins(lib, n_slots)
     replay_perturbed(twins, request_steps(Q30B, n_prompt=48, n_decode=40), 48, 128, seed=n_slots)
     twins.check_estimate(48, 128)
+
+
+def replay_with_load_ahead(twins: Twins, steps, n_layers: int, n_experts: int) -> int:
+    """The steps, each multi-token one followed by a load-ahead of the next layer's every expert with the step's
+    keys pinned (what the native hot path does on a prefill ubatch); returns how many keys were loaded ahead."""
+    loaded = 0
+    for n_tokens, keys in steps:
+        plan = twins.acquire(keys, n_tokens)
+        if plan is not None and n_tokens > 1 and keys[0][0] + 1 < n_layers:
+            ahead = twins.load_ahead([(keys[0][0] + 1, e) for e in range(n_experts)], keys)
+            assert all(key in twins.reference for key in distinct(keys))  # the step's keys kept their slots
+            loaded += len(ahead.assignments)
+    return loaded
+
+
+def distinct(keys):
+    return list(dict.fromkeys(keys))
+
+
+@pytest.mark.parametrize("n_slots", pools(24 * 32, 8))
+def test_granite_requests_with_load_ahead(lib, n_slots):
+    twins = Twins(lib, n_slots)
+    loaded = replay_with_load_ahead(twins, request_steps(GRANITE, n_prompt=64, n_decode=32), 24, 32)
+    assert loaded > 0 or n_slots < 32  # a 64-token step of granite wants nearly all 32 experts of its layer
+    twins.check_estimate(24, 32)
+
+
+@pytest.mark.parametrize("n_slots", pools(48 * 128, 8)[:3])
+def test_qwen3_30b_requests_with_load_ahead(lib, n_slots):
+    twins = Twins(lib, n_slots)
+    assert replay_with_load_ahead(twins, request_steps(Q30B, n_prompt=48, n_decode=20), 48, 128) > 0
+    twins.check_estimate(48, 128)
+
+
+def test_load_ahead_keeps_the_pins_and_stops_when_only_pins_are_left(lib):
+    twins = Twins(lib, 6)
+    step = [(0, 0), (0, 1), (0, 2)]
+    for t in range(6):
+        twins.acquire([(1, t % 4), (2, t % 3)])
+    twins.acquire(step, 16)
+    plan = twins.load_ahead([(1, e) for e in range(8)], step)
+    assert len(twins.reference) == 6 and all(key in twins.reference for key in step)
+    resident_ahead = [key for key in twins.reference.resident() if key[0] == 1]
+    assert len(resident_ahead) == 3 and {load.key for load in plan.assignments} <= set(resident_ahead)
+    assert twins.load_ahead([(1, e) for e in range(8)], step).assignments == ()  # nothing left to evict
+    with pytest.raises(ValueError):
+        twins.native.load_ahead([(-1, 0)], step)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference's unused rate[0]

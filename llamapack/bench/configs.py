@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 VANILLA, PACK, GGUF_DIRECT = "vanilla", "pack", "gguf_direct"
 MIB = 1 << 20
+AHEAD_MIN_TOKENS = 64  # +ahead: load-ahead after steps of at least this many tokens (prefill ubatches)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class BenchConfig:
     llamapack runs with a RAM tier only. ``slot_lookup``: decode steps remapped by the slot lookup on the GPU
     (the default; ``+oppath`` runs every step through the CPU remap op instead, the "before" of the lookup).
     ``whole_pool``: once the pool holds every expert, whole-pool graphs (static maps on the device, no split per
-    layer; the default; ``+nowhole`` keeps the slot lookup or the op, the "before").
+    layer; the default; ``+nowhole`` keeps the slot lookup or the op, the "before"). ``load_ahead``: ``+ahead``
+    loads a prefill ubatch's next layer from the RAM tier while the layer computes (load_ahead_min_tokens
+    ``AHEAD_MIN_TOKENS``; needs a RAM tier and the native hot path).
     ``reference``: the run other runs' logits are compared with."""
 
     name: str
@@ -70,6 +73,7 @@ class BenchConfig:
     hybrid: str | float = "off"
     slot_lookup: bool = True
     whole_pool: bool = True
+    load_ahead: bool = False
 
     def __post_init__(self):
         if self.hybrid != "off" and (self.source == VANILLA or (self.ram_fraction is None and not self.ram_auto)
@@ -88,6 +92,10 @@ class BenchConfig:
             raise ValueError(f"{self.name}: oppath (the CPU remap op instead of the slot lookup) is a llamapack setting")
         if not self.whole_pool and self.source == VANILLA:
             raise ValueError(f"{self.name}: nowhole (no whole-pool graphs) is a llamapack setting")
+        if self.load_ahead and (self.source == VANILLA or (self.ram_fraction is None and not self.ram_auto)
+                                or not self.native_hot_path):
+            raise ValueError(f"{self.name}: ahead (load-ahead) is a llamapack setting that needs a RAM tier (+ram...) "
+                             "and the native hot path (not +pyhot)")
         if not self.native_hot_path and self.source == VANILLA:
             raise ValueError(f"{self.name}: pyhot (every step through the Python provider) is a llamapack setting")
         if self.warm_start and (self.source != PACK or self.own_routing or self.cache_policy != "next-use"):
@@ -196,9 +204,9 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
                 "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, +noverify, "
-                "+lfulru, +lru, +pyhot, +oppath, +nowhole, +warm, +hybrid, +hybridauto, +hybridU%, then @NG or @NM")
+                "+lfulru, +lru, +pyhot, +oppath, +nowhole, +ahead, +warm, +hybrid, +hybridauto, +hybridU%, then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|oppath|nowhole|warm"
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|oppath|nowhole|ahead|warm"
                      r"|hybridauto|hybrid(?P<hshare>[\d.]+)%|hybrid)(?=\+|$)")
 
 
@@ -242,6 +250,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["slot_lookup"] = False
         elif option == "nowhole":
             fields["whole_pool"] = False
+        elif option == "ahead":
+            fields["load_ahead"] = True
         elif option == "warm":
             fields["warm_start"] = True
         elif option.startswith("hybrid"):

@@ -188,6 +188,8 @@ def notes_of(run: dict) -> list[str]:
     if config.get("whole_pool") and config.get("source") in ("pack", "gguf_direct") and \
             config.get("vram_fraction") == 1.0:
         notes.append("whole-pool graphs: modelled as no per-layer cost (an assumption)")
+    if config.get("load_ahead"):
+        notes.append("load-ahead: not modelled (prefill copies predicted on the critical path)")
     return notes
 
 

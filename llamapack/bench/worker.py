@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .configs import BenchConfig
+from .configs import AHEAD_MIN_TOKENS, BenchConfig
 from .workload import prompt_tokens
 
 
@@ -94,14 +94,15 @@ def hybrid_option(llama_class, config: BenchConfig) -> dict:
 
 
 def lookup_option(llama_class, config: BenchConfig) -> dict:
-    """``slot_lookup_max_tokens=0`` for ``+oppath``, ``whole_pool_graphs=False`` for ``+nowhole`` (an error when
-    this Llama lacks the setting); {} otherwise."""
+    """``slot_lookup_max_tokens=0`` for ``+oppath``, ``whole_pool_graphs=False`` for ``+nowhole``,
+    ``load_ahead_min_tokens`` for ``+ahead`` (an error when this Llama lacks the setting); {} otherwise."""
     wanted = ({} if config.slot_lookup else dict(slot_lookup_max_tokens=0)) | (
-        {} if config.whole_pool else dict(whole_pool_graphs=False))
+        {} if config.whole_pool else dict(whole_pool_graphs=False)) | (
+        dict(load_ahead_min_tokens=AHEAD_MIN_TOKENS) if getattr(config, "load_ahead", False) else {})
+    option = dict(slot_lookup_max_tokens="+oppath", whole_pool_graphs="+nowhole", load_ahead_min_tokens="+ahead")
     for name in wanted:
         if name not in inspect.signature(llama_class.__init__).parameters:
-            raise RuntimeError(f"{config.name}: {'+oppath' if 'max' in name else '+nowhole'} needs llamapack.Llama "
-                               f"to take {name}")
+            raise RuntimeError(f"{config.name}: {option[name]} needs llamapack.Llama to take {name}")
     return wanted
 
 
@@ -117,7 +118,7 @@ COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_by
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
                   "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
                   "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s",
-                  "cpu_experts", "cpu_s", "lookup_steps", "whole_pool_steps")
+                  "cpu_experts", "cpu_s", "lookup_steps", "whole_pool_steps", "ahead_loads", "ahead_unused")
 
 
 def delta(after: dict, before: dict) -> dict:

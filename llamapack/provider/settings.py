@@ -70,6 +70,10 @@ class StreamingSettings:
     bookkeeping (policy, counters) after the ubatch. Same kernels and inputs: bit-exact.
     ``pool_preload``: with a pool that has a slot for every served expert (and the ``next-use`` policy), load
     them all when the provider starts (from the RAM tier where it holds them), so that no step misses.
+    ``load_ahead_min_tokens``: after a step of at least this many tokens (a prefill ubatch; 0: off, the default),
+    the next layer's experts that wait in the RAM tier get slots from the pool's policy and their copies start
+    while this layer computes (llama_expert_load_ahead_set); needs the native hot path and a RAM tier that holds
+    every expert. Same kernels and inputs: bit-exact. Its speed on a GPU is not measured yet.
     """
 
     cache_vram_mib: float | None = None
@@ -100,6 +104,7 @@ class StreamingSettings:
     slot_lookup_max_tokens: int = 32
     whole_pool_graphs: bool = True
     pool_preload: bool = True
+    load_ahead_min_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "hybrid", parse_mode(self.hybrid))  # ValueError for a bad mode
@@ -107,8 +112,9 @@ class StreamingSettings:
                      "prefetch_in_flight", "hybrid_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.slot_lookup_max_tokens < 0:
-            raise ValueError(f"slot_lookup_max_tokens must be >= 0 (got {self.slot_lookup_max_tokens})")
+        for name in ("slot_lookup_max_tokens", "load_ahead_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         policy_class(self.cache_policy)  # ValueError for an unknown name
         if not 1 <= self.prefetch_depth <= MAX_LOOKAHEAD:
             raise ValueError(f"prefetch_depth must be in [1, {MAX_LOOKAHEAD}] (got {self.prefetch_depth})")

@@ -162,6 +162,7 @@ class StreamingProvider:
             native.set_slot_lookup(ctx_ptr, self._slot_lookup_max_tokens, settings.whole_pool_graphs)
             if self._native_hot:
                 self._start_fast_path()
+                native.set_load_ahead(ctx_ptr, settings.load_ahead_min_tokens)
             self.hybrid: dict | None = None  # hybrid execution's split and the costs it came from, once on
             if settings.hybrid != "off":
                 self._start_hybrid()
