@@ -455,6 +455,21 @@ struct llama_expert_next_use_impl {
         }
     }
 
+    // a slot for a key being loaded: the lowest free one, else the victim's (recorded in evicted)
+    int32_t take_slot(std::vector<llama_expert_eviction> & evicted) {
+        if (!free_slots.empty()) {
+            n_resident++;
+            return pop_free_slot();
+        }
+        const victim_key victim = pop_victim();
+        layer_state & owner = layers[victim.index];
+        const int32_t slot = owner.slots[victim.expert];
+        owner.slots[victim.expert] = -1;
+        owner.n_resident--;
+        evicted.push_back({{owner.id, victim.expert}, slot});
+        return slot;
+    }
+
     // -- the API
 
     bool acquire(const llama_expert_key * keys, int32_t n_keys, int32_t n_tokens,
@@ -476,17 +491,7 @@ struct llama_expert_next_use_impl {
             int32_t    slot  = layer.slots[key.expert];
             const bool hit   = slot >= 0;
             if (!hit) {
-                if (!free_slots.empty()) {
-                    slot = pop_free_slot();
-                    n_resident++;
-                } else {
-                    const victim_key victim = pop_victim();
-                    layer_state & owner = layers[victim.index];
-                    slot = owner.slots[victim.expert];
-                    owner.slots[victim.expert] = -1;
-                    owner.n_resident--;
-                    evicted.push_back({{owner.id, victim.expert}, slot});
-                }
+                slot = take_slot(evicted);
                 layer.slots[key.expert] = slot;
                 layer.n_resident++;
             }
@@ -601,18 +606,7 @@ struct llama_expert_next_use_impl {
                 compute_weights(layers[index]);
             }
             grow(layers[index], (size_t) key.expert + 1);
-            int32_t slot;
-            if (!free_slots.empty()) {
-                slot = pop_free_slot();
-                n_resident++;
-            } else {
-                const victim_key victim = pop_victim();
-                layer_state & owner = layers[victim.index];
-                slot = owner.slots[victim.expert];
-                owner.slots[victim.expert] = -1;
-                owner.n_resident--;
-                evicted.push_back({{owner.id, victim.expert}, slot});
-            }
+            const int32_t slot = take_slot(evicted);
             layer_state & layer = layers[index];
             layer.slots[key.expert] = slot;
             layer.n_resident++;
