@@ -40,10 +40,8 @@ uint64_t llama_expert_hook_generation(const llama_expert_hook * hook);
 struct llama_expert_remap {
     llama_expert_hook * hook = nullptr;
     ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
-    // whole-pool graphs: the ids count from first_slot, and the matmuls take a view of n_slots slots (built in ctx)
-    ggml_context      * ctx        = nullptr;
-    int32_t             first_slot = 0;
-    int32_t             n_slots    = 0;
+    // whole-pool graphs: the ids count from the layer's first slot, and the matmuls take its slot view
+    bool                whole_pool = false;
     // hybrid (llama_expert_hybrid_set): rows computed on the CPU [n_embd, n_expert_used, n_tokens], and per row
     // where merge takes it from (k: the CPU's, n_expert_used + k: the pool's)
     ggml_tensor       * cpu_rows = nullptr;

@@ -110,6 +110,11 @@ struct llama_expert_hook {
     bool                    whole_pool = false;         // the maps are current and graphs built now use them
     ggml_context_ptr        whole_pool_ctx;
     ggml_backend_buffer_ptr whole_pool_buf;             // the bindings' device maps and the ring
+    // each layer's slot views: leaf tensors placed in the pool buffer (a VIEW node in the graph would sit between
+    // the gate and up matmuls and stop CUDA fusing them with the GLU, as vanilla does). The previous set stays
+    // alive one update longer, for a graph built before it.
+    ggml_context_ptr        slot_views_ctx, old_slot_views_ctx;
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> slot_view; // original weight -> its layer's slot view
     ggml_tensor *           ring = nullptr;             // I32 [ring_per_layer * bindings]
     int64_t                 ring_per_layer = 0;
     std::vector<int32_t>    ring_host;
@@ -623,6 +628,35 @@ static void serve_whole_pool(llama_expert_hook * hook, ggml_backend_sched * sche
 // lookahead, the pool holding every expert of every served layer), write each layer's device map from the
 // pool's policy and have graphs rebuilt. The maps stay right while the pool holds every expert: nothing is then
 // loaded or evicted.
+// the bindings' slot views (first_slot, n_slots) of every pool tensor, as leaves placed in the pool buffer
+static bool make_slot_views(llama_expert_hook * hook) {
+    ggml_init_params params = {
+        /*.mem_size   =*/ (hook->pool_tensor.size() + 1) * ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context_ptr views(ggml_init(params));
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> slot_view;
+    for (const auto & [weight, pool] : hook->pool_tensor) {
+        const llama_expert_layer_binding * b = hook->binding_of.at(weight);
+        ggml_tensor * view = ggml_new_tensor_3d(views.get(), pool->type, pool->ne[0], pool->ne[1], b->n_slots);
+        view->nb[1] = pool->nb[1];
+        view->nb[2] = pool->nb[2];
+        view->nb[3] = pool->nb[2] * b->n_slots;
+        ggml_format_name(view, "%s-slots-%d+%d", pool->name, b->first_slot, b->n_slots);
+        if (ggml_backend_tensor_alloc(hook->pool_buf.get(), view, (char *) pool->data + (size_t) b->first_slot * pool->nb[2]) !=
+                GGML_STATUS_SUCCESS) {
+            LLAMA_LOG_WARN("llamapack: could not place %s; keeping the slot lookup\n", view->name);
+            return false;
+        }
+        slot_view[weight] = view;
+    }
+    hook->old_slot_views_ctx = std::move(hook->slot_views_ctx);
+    hook->slot_views_ctx     = std::move(views);
+    hook->slot_view          = std::move(slot_view);
+    return true;
+}
+
 static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
     if (hook->whole_pool || !hook->whole_pool_allowed || !hook->fast || hook->cpu || hook->prefetch != nullptr ||
             hook->failed.load() || hook->bindings.empty() || ctx == nullptr) {
@@ -680,6 +714,9 @@ static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
             slot -= b->first_slot;
         }
         ggml_backend_tensor_set(b->device_map, slots.data(), 0, slots.size() * sizeof(int32_t));
+    }
+    if (!make_slot_views(hook)) {
+        return;
     }
     hook->stats.whole_pool_span = widest;
     hook->whole_pool = true;
@@ -762,11 +799,9 @@ llama_expert_remap llama_expert_remap_build(
         ggml_format_name(kept, "%s%d", k_whole_pool_ids, binding->layer);
         ggml_tensor * slots = ggml_get_rows(ctx, binding->device_map, kept);
         ggml_format_name(slots, "llamapack_whole_pool_slots-%d", binding->layer);
-        binding->n_used = (int32_t) n_used;
+        binding->n_used  = (int32_t) n_used;
         remap.ids        = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
-        remap.ctx        = ctx;
-        remap.first_slot = binding->first_slot;
-        remap.n_slots    = binding->n_slots;
+        remap.whole_pool = true;
         return remap;
     }
     if (ggml_backend_t backend = glu < 0 ? lookup_backend(hook, binding, sched, n_tokens) : nullptr) {
@@ -813,13 +848,8 @@ void llama_expert_remap_apply(const llama_expert_remap * remap, ggml_tensor * mu
     GGML_ASSERT(mul_mat_id->op == GGML_OP_MUL_MAT_ID);
     auto it = remap->hook->pool_tensor.find(mul_mat_id->src[0]);
     GGML_ASSERT(it != remap->hook->pool_tensor.end() && "every role of a served layer must have a pool tensor");
-    ggml_tensor * pool = it->second;
-    if (remap->n_slots > 0) { // whole-pool graphs: the layer's own range of slots
-        pool = ggml_view_3d(remap->ctx, pool, pool->ne[0], pool->ne[1], remap->n_slots, pool->nb[1], pool->nb[2],
-                            (size_t) remap->first_slot * pool->nb[2]);
-        ggml_format_name(pool, "%s-slots-%d+%d", it->second->name, remap->first_slot, remap->n_slots);
-    }
-    mul_mat_id->src[0] = pool;
+    // whole-pool graphs: the layer's own range of slots (make_slot_views)
+    mul_mat_id->src[0] = remap->whole_pool ? remap->hook->slot_view.at(mul_mat_id->src[0]) : it->second;
     mul_mat_id->src[2] = remap->ids;
 }
 
@@ -1030,6 +1060,9 @@ int32_t llama_expert_pool_attach(llama_context * ctx, const llama_expert_pool_de
     hook->whole_pool = false; // the maps and the ring belong to the old bindings
     hook->whole_pool_buf.reset();
     hook->whole_pool_ctx.reset();
+    hook->slot_view.clear(); // the views point into the old pool
+    hook->slot_views_ctx.reset();
+    hook->old_slot_views_ctx.reset();
     hook->ring = nullptr;
     hook->ring_per_layer = 0;
     hook->replay.reset();
