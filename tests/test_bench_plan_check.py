@@ -232,3 +232,18 @@ def test_budgets_follow_the_runs_whole_pool_setting():
     assert not whole() and not whole(whole_pool=False)
     assert not whole(whole_pool=True, hybrid="auto") and not whole(whole_pool=True, prefetch=True)
     assert not whole(whole_pool=True, vram_fraction=0.5)
+
+
+def test_a_pool_filled_at_start_is_told_by_its_first_request():
+    """pool_preload (since round 13) fills a pool of every expert before the first token: the first request then
+    missed nothing, and the comparison replays it with every lookup a hit (round 14: 512-token prefill predicted
+    at vanilla's speed, not after 4,804 tier copies)."""
+    from llamapack.bench.plan_check import pool_filled_at_start
+    from llamapack.plan.model import Budgets, ModelShape
+
+    shape = ModelShape("small", 4, 16, 4, 1 << 20, 1 << 20, 1e6, 1 << 24)
+    run = lambda misses, hits=100: {"requests": [{"prefill_counters": {"cache_hits": hits, "cache_misses": misses}}]}  # noqa: E731
+    every, quarter = Budgets(shape.n_blocks, 0, 512, True), Budgets(shape.n_blocks // 4, 0, 512, True)
+    assert pool_filled_at_start(run(0), every, shape)
+    assert not pool_filled_at_start(run(3), every, shape) and not pool_filled_at_start(run(0, hits=0), every, shape)
+    assert not pool_filled_at_start(run(0), quarter, shape) and not pool_filled_at_start({"requests": []}, every, shape)
