@@ -273,6 +273,7 @@ def sse(chunks, first, finish):
         while chunk is not None:
             yield f"data: {json.dumps(chunk)}\n\n"
             chunk = next(chunks, None)
+        finish()  # the request's stats are kept (and its slot freed) before the client hears it is done
         yield "data: [DONE]\n\n"
     except Exception as exc:  # the status line is sent: report the error in the stream
         if error_body(exc)[1] >= 500:
