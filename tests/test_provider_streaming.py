@@ -477,7 +477,8 @@ def test_a_pool_of_every_expert_is_filled_at_start(pool_preload, models, vanilla
     gguf, _ = models["qwen3moe-tiny"]
     every_expert = SPECS["qwen3moe-tiny"].n_expert * SPECS["qwen3moe-tiny"].n_layer
     spec = dict(mode="llama", model=str(gguf), n_ubatch=1, n_prompt=N_PROMPT, n_decode=N_DECODE,
-                out=str(tmp_path / "f.npy"), llama=dict(cache_slots=every_expert, pool_preload=pool_preload))
+                out=str(tmp_path / "f.npy"), llama=dict(cache_slots=every_expert, pool_preload=pool_preload,
+                                                         whole_pool_graphs=True))
     stats = run_self(spec, tmp_path)["stats"]
     assert np.array_equal(np.load(tmp_path / "f.npy"), vanilla("qwen3moe-tiny", 1))
     if pool_preload:

@@ -209,7 +209,7 @@ def test_a_pool_of_every_expert_is_filled_layer_by_layer_even_when_warm_started(
     gguf, pack = model
     n_expert, n_layer = PRESETS[PRESET].n_expert, PRESETS[PRESET].n_layer
     spec = dict(model=str(gguf), pack=str(pack), n_slots=n_expert * n_layer,
-                llama=dict(warm_start=True, warm_start_dir=str(tmp_path / "warm")))
+                llama=dict(warm_start=True, warm_start_dir=str(tmp_path / "warm"), whole_pool_graphs=True))
     run_llama(dict(spec, out=str(tmp_path / "cold.npy")), tmp_path)
     warm = run_llama(dict(spec, out=str(tmp_path / "warm.npy")), tmp_path)
     assert np.array_equal(np.load(tmp_path / "warm.npy"), vanilla)

@@ -67,7 +67,9 @@ class StreamingSettings:
     either way: bit-exact. ``whole_pool_graphs``: once the pool holds every served expert (checked after each
     ubatch; the native hot path on, no hybrid, no lookahead), graphs look slots up in static maps on the pool's
     device, with no split and no wait per layer; each step's ids are kept on the device and go through the same
-    bookkeeping (policy, counters) after the ubatch. Same kernels and inputs: bit-exact.
+    bookkeeping (policy, counters) after the ubatch. Off by default: its first CUDA run (round 14) differed from
+    vanilla on two tiny archs (a graph node that stopped CUDA's gate/up/GLU fusion); the fix is bit-exact on CPU
+    and has not run on CUDA yet.
     ``pool_preload``: with a pool that has a slot for every served expert (and the ``next-use`` policy), load
     them all when the provider starts (from the RAM tier where it holds them), so that no step misses.
     ``load_ahead_min_tokens``: after a step of at least this many tokens (a prefill ubatch; 0: off, the default),
@@ -102,7 +104,7 @@ class StreamingSettings:
     hybrid_threads: int | None = None
     hybrid_fill_pool: bool = True
     slot_lookup_max_tokens: int = 32
-    whole_pool_graphs: bool = True
+    whole_pool_graphs: bool = False
     pool_preload: bool = True
     load_ahead_min_tokens: int = 0
 
