@@ -92,6 +92,10 @@ def streaming_settings(args) -> dict:
         settings["ram_preload"] = True
     if args.prefetch_in_flight:
         settings["prefetch_in_flight"] = args.prefetch_in_flight
+    if args.whole_pool:
+        settings["whole_pool_graphs"] = True
+    if args.load_ahead:
+        settings["load_ahead_min_tokens"] = args.load_ahead
     if args.prefetch_depth > 1:
         return dict(settings, prefetch=True, prefetch_depth=args.prefetch_depth, prefetch_slots=4 * args.prefetch_depth)
     return dict(settings, prefetch=True) if args.prefetch else settings
@@ -115,6 +119,10 @@ def main() -> int:
     parser.add_argument("--prefetch-depth", type=int, default=1,
                         help="streaming provider: prefetch guessing this many layers ahead (implies --prefetch)")
     parser.add_argument("--prefetch-in-flight", type=int, help="streaming provider: lookahead pieces read at once")
+    parser.add_argument("--whole-pool", action="store_true",
+                        help="streaming provider: whole-pool graphs (off by default in llamapack)")
+    parser.add_argument("--load-ahead", type=int, default=0,
+                        help="streaming provider: load-ahead after steps of at least this many tokens (0: off)")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
     parser.add_argument("--pool-layers", type=int, default=0,
                         help="a pool of this many layers' experts instead of the smallest (e.g. every layer's)")

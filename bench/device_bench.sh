@@ -196,7 +196,7 @@ whole-pool)  # #24: our builds, CUDA bit-exactness with whole-pool graphs (a poo
     start_model "${SKEW:-0}"
     build_cuda
     bitexact cuda_bitexact_whole_pool.json --ubatch 1 7 512 --archs qwen3moe-tiny deepseek2-tiny mixtral-tiny gpt-oss-tiny \
-        --pool-layers 99
+        --pool-layers 99 --whole-pool
     bitexact cuda_bitexact_two_layer_pool.json --ubatch 1 --archs qwen3moe-tiny gpt-oss-tiny --pool-layers 2
     [ "${HYBRID:-1}" = 0 ] || python3 bench/cuda_hybrid.py --vanilla-lib "$build/vanilla" \
         --patched-lib "$build/patched" --out "$out/cuda_hybrid.json" 2>&1 | tail -3   # HYBRID=0: skipped
@@ -206,7 +206,7 @@ whole-pool-check)  # the whole-pool stage's CUDA bit-exactness alone (no model),
     build_cuda
     python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_bitexact_whole_pool.json" --provider streaming --sources gguf pack --ubatch 1 7 512 \
-        --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 \
+        --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 --whole-pool \
         > "$out/cuda_bitexact_whole_pool.log" 2>&1
     tail -3 "$out/cuda_bitexact_whole_pool.log"
     ;;
