@@ -46,8 +46,8 @@ def test_whole_pool_graphs_have_no_per_layer_cost(tmp_path):
     """A slot for every expert and the native hot path: whole-pool graphs, so decode and prefill are vanilla's
     compute alone; one slot short, or the setting or the hot path off, and every layer pays its cache step."""
     for machine in (GPU, HOST):
-        whole = Budgets(QWEN30B.n_blocks, 0, 512, machine.gpu)
-        assert whole.whole_pool(QWEN30B)
+        whole = Budgets(QWEN30B.n_blocks, 0, 512, machine.gpu, whole_pool_graphs=True)
+        assert whole.whole_pool(QWEN30B) and not replace(whole, whole_pool_graphs=False).whole_pool(QWEN30B)
         split = decode_time(QWEN30B, machine, loads(0), whole_pool=True)
         assert split.hook == split.python == 0 and split.total == pytest.approx(decode_compute_s(QWEN30B, machine))
         prefill = prefill_time(QWEN30B, machine, 512, 512, loads(0), whole_pool=True)
@@ -57,7 +57,8 @@ def test_whole_pool_graphs_have_no_per_layer_cost(tmp_path):
             assert not budgets.whole_pool(QWEN30B)
     small = ModelShape("small", 4, 16, 4, 1 << 20, 1 << 20, 1e6, 1 << 24)
     trace = hits.decode_trace(small, tmp_path)
-    every, short = (recommend.predict(small, GPU, "x", Budgets(n, 0, 64, True), trace, 0, prefill_lengths=(64,))
+    every, short = (recommend.predict(small, GPU, "x", Budgets(n, 0, 64, True, whole_pool_graphs=True), trace, 0,
+                                      prefill_lengths=(64,))
                     for n in (small.n_blocks, small.n_blocks - 1))
     assert every.decode.hook == every.prefill[64].hook == 0 and every.decode.total < short.decode.total
     assert short.decode.hook == pytest.approx(4 * DEFAULT_COSTS.gpu_hook_s_per_layer)
