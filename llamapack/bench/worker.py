@@ -99,7 +99,7 @@ def lookup_option(llama_class, config: BenchConfig) -> dict:
     ``load_ahead_min_tokens`` for ``+ahead`` (an error when this Llama lacks the setting); {} otherwise."""
     wanted = ({} if config.slot_lookup else dict(slot_lookup_max_tokens=0)) | (
         {} if config.whole_pool else dict(whole_pool_graphs=False)) | (
-        dict(load_ahead_min_tokens=AHEAD_MIN_TOKENS) if getattr(config, "load_ahead", False) else {})
+        dict(load_ahead_min_tokens=AHEAD_MIN_TOKENS) if config.load_ahead else {})
     option = dict(slot_lookup_max_tokens="+oppath", whole_pool_graphs="+nowhole", load_ahead_min_tokens="+ahead")
     params = inspect.signature(llama_class.__init__).parameters
     for name in wanted:
