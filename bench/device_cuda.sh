@@ -20,6 +20,7 @@ build="${DEVBUILD:-/tmp/llamapack-devbuild}"  # outside the repo: kept while the
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$repo/.devtree/src:$repo"
 export LLAMAPACK_VOCAB_DIR="$repo/.devtree/vocab"
+source "$repo/bench/cpuflags.sh"
 
 machine_info() {
     { nvidia-smi -L; nproc; python3 --version; python3 -c 'import cupy; print("cupy", cupy.__version__)'; } > "$out/machine.txt" 2>&1
@@ -28,8 +29,7 @@ prebuilt="$repo/.devtree/cuda-libs.tar.xz"  # patched/ and vanilla/ built elsewh
 if { [ "$stage" = all ] || [ "$stage" = build ]; } && [ -f "$prebuilt" ]; then
     machine_info
     flags="$repo/.devtree/cuda-libs.cpuflags"  # the build machine's (-march=native): refuse rather than SIGILL
-    missing=$( [ -f "$flags" ] && grep -o -w -E 'avx[0-9a-z_]*|amx[a-z_]*|f16c|fma|bmi2' /proc/cpuinfo | LC_ALL=C sort -u \
-        | LC_ALL=C comm -13 - <(LC_ALL=C sort -u "$flags") | tr '\n' ' ' || true)  # one collation: comm needs it
+    missing=$(missing_cpu_flags "$flags")
     [ -z "$missing" ] || { echo "prebuilt libs need CPU flags this machine lacks: $missing(build here:" \
         "carry .devtree/src, leave out .devtree/cuda-libs.tar.xz)" | tee -a "$out/machine.txt"; exit 1; }
     mkdir -p "$build" && tar xJf "$prebuilt" -C "$build" && ls "$build/patched" "$build/vanilla" >> "$out/machine.txt"

@@ -33,6 +33,6 @@ tar cf "$build/libs.tar" -C "$build" "patched/$cuda" "vanilla/$cuda"
 tar rf "$build/libs.tar" -C "$build" --exclude="$cuda" patched vanilla
 xz -9 -T1 -c "$build/libs.tar" > .devtree/cuda-libs.tar.xz.part  # renamed when whole: a device call may carry it
 # ggml's CPU backend is compiled for this CPU (-march=native): the device checks it has these flags too
-grep -o -w -E 'avx[0-9a-z_]*|amx[a-z_]*|f16c|fma|bmi2' /proc/cpuinfo | LC_ALL=C sort -u > .devtree/cuda-libs.cpuflags
+source bench/cpuflags.sh && cpu_flags > .devtree/cuda-libs.cpuflags
 mv .devtree/cuda-libs.tar.xz.part .devtree/cuda-libs.tar.xz
 echo "built in $(( $(date +%s) - start )) s: .devtree/cuda-libs.tar.xz ($(du -h .devtree/cuda-libs.tar.xz | cut -f1))"
