@@ -247,3 +247,33 @@ def test_a_pool_filled_at_start_is_told_by_its_first_request():
     assert pool_filled_at_start(run(0), every, shape)
     assert not pool_filled_at_start(run(3), every, shape) and not pool_filled_at_start(run(0, hits=0), every, shape)
     assert not pool_filled_at_start(run(0), quarter, shape) and not pool_filled_at_start({"requests": []}, every, shape)
+
+
+def test_a_warm_run_replays_its_priming_session(tmp_path):
+    """+warm runs: the priming requests the bench recorded (trace requests, prompts, tokens decoded) replayed from
+    cold caches of the run's budgets give the popularity the measured replay starts from (notes say so); a run
+    without a priming record, or whose priming trace is gone, is not modelled."""
+    from pathlib import Path
+
+    from llamapack.bench.plan_check import notes_of, warm_popularity
+    from llamapack.plan.model import Budgets, ModelShape
+    from llamapack.routing import save_trace
+
+    shape = ModelShape("small", 4, 16, 2, 1 << 20, 1 << 20, 1e6, 1 << 24)
+    trace = hits.decode_trace(shape, tmp_path)
+    save_trace(trace, tmp_path / "prime.trace.npz")
+    results = {"workload": {"warm": {"routing": "/elsewhere/prime.trace.npz", "requests": []}}}
+    priming = {"requests": [{"request": 1, "n_prompt": 16, "n_decoded": 30}, {"request": 2, "n_prompt": 8, "n_decoded": 5}]}
+    run = {"config": {"warm_start": True}, "priming": priming, "routing": "replayed"}
+    budgets = Budgets(16, 0, 64, True)
+    popularity = warm_popularity(results, run, budgets, None, Path(tmp_path))
+    assert popularity is None  # the repo's trace folders do not hold it
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    save_trace(trace, tmp_path / "bench" / "results" / "prime.trace.npz")
+    popularity = warm_popularity(results, run, budgets, None, Path(tmp_path))
+    assert popularity == hits.priming_popularity(trace, [(1, 16, 30), (2, 8, 5)], 64, 16, 0)
+    assert notes_of(run) == ["warm start: replayed (the priming requests' popularity seeds and fills the caches)"]
+    cold = dict(run, priming=None)
+    assert warm_popularity(results, cold, budgets, None, Path(tmp_path)) is None
+    assert notes_of(cold) == ["warm start: not modelled (no priming record)"]
+    assert warm_popularity(results, dict(run, config={}), budgets, None, Path(tmp_path)) is None

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from llamapack.cache_dir import user_cache_dir
+from llamapack.cache_policy import policy_class
 from llamapack.cli import main
 from llamapack.errors import CapacityError, PackIOError
 from llamapack.plan import hits, probe, recommend
@@ -154,6 +155,27 @@ def test_prefill_in_the_benchs_order(tmp_path):
     assert second.ssd_reads == 0                       # the pool holds every expert by then
     warm, = hits.request_prefill_loads(small, trace, [64], [0], 64, 16, 64, preloaded=True)
     assert warm.ssd_reads == 0 and warm.ram_hits > 0   # a full tier filled at load
+
+
+def test_a_warm_start_replays_the_providers(tmp_path):
+    """A priming session's popularity seeds the pool and tier and fills them with the hottest experts (the
+    provider's warm_start), so the next session's first prompt reads less; LfuLru has no seed: it starts cold."""
+    from llamapack.provider.warm import hottest
+
+    small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
+    trace = hits.decode_trace(small, tmp_path)
+    popularity = hits.priming_popularity(trace, [(0, 32, 60), (1, 32, 60)], 64, 16, 24)
+    assert sorted(popularity) == list(range(4)) and all(0 < len(shares) <= 16 for shares in popularity.values())
+    pool, tier = hits.new_caches(16, 24)
+    hits.warm_start(pool, tier, popularity, batch=5)
+    assert set(pool.resident()) == set(hottest(popularity, 16)) and set(tier.resident()) == set(hottest(popularity, 24))
+    (cold,), (warm,) = (hits.request_prefill_loads(small, trace, [32], [0], 64, 16, 24, warm=w, prompt_source=trace)
+                        for w in (None, popularity))
+    assert cold.ssd_reads == cold.lookups - cold.pool_hits > 0 and warm.ssd_reads < cold.ssd_reads
+    assert warm.pool_hits > 0 and warm.ram_hits > 0
+    lfu_pool, lfu_tier = hits.new_caches(16, 24, policy_class("lfu-lru"))
+    hits.warm_start(lfu_pool, lfu_tier, popularity)
+    assert not lfu_pool.resident() and not lfu_tier.resident()
 
 
 def test_decode_is_monotonic_in_hit_rate_and_disk_speed():

@@ -26,8 +26,9 @@ plan's own figure beside it. The native hot path is on for a run whose config ha
 ``+pyhot``; results from before it existed ran the Python provider) with the ``next-use`` policy and no
 lookahead, as the provider decides.
 
-Not modelled by the plan (the rows say so): a RAM tier filled at load (``+preload``: the plan's tier starts
-cold), a warm start, router lookahead, the model's own (synthetic) routing.
+Replayed as the run did, where the plan itself does not: a RAM tier filled at load (``+preload``: the plan's tier
+starts cold) and a warm start (``+warm``: its priming requests replayed, their popularity seeding and filling the
+caches). Not modelled (the rows say so): router lookahead, load-ahead, hybrid, the model's own (synthetic) routing.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def notes_of(run: dict) -> list[str]:
     if config.get("ram_preload"):
         notes.append("tier filled at load: replayed as such (the plan's own tier starts cold)")
     if config.get("warm_start"):
-        notes.append("warm start: not modelled")
+        notes.append("warm start: replayed (the priming requests' popularity seeds and fills the caches)"
+                     if run.get("priming") else "warm start: not modelled (no priming record)")
     if config.get("prefetch"):
         notes.append("router lookahead: not modelled")
     if run.get("routing", "own") != "replayed":
@@ -214,15 +216,16 @@ def measured_loads(run: dict) -> StepLoads | None:
 
 
 def bench_prefill_loads(run: dict, shape: ModelShape, trace, budgets: Budgets, policy, preloaded: bool,
-                        prompt_source=None) -> dict:
+                        prompt_source=None, warm: dict | None = None) -> dict:
     """Loads per ubatch of each prompt length of the run, its requests replayed in the bench's order (the first
-    from an empty cache; its prompts the routing model's prompt rows, ``prompt_source``; the decode between them
-    from the routing model's trace, as many tokens as the run decoded)."""
+    from an empty cache, or one warm-started from ``warm``; its prompts the routing model's prompt rows,
+    ``prompt_source``; the decode between them from the routing model's trace, as many tokens as the run
+    decoded)."""
     requests = run["requests"]
     prompts = [r["n_prompt"] for r in requests]
     loads = hits.request_prefill_loads(shape, trace, prompts, [r["n_decoded"] for r in requests], budgets.n_ubatch,
                                        budgets.pool_slots, budgets.tier_blocks, policy=policy, preloaded=preloaded,
-                                       prompt_source=prompt_source)
+                                       prompt_source=prompt_source, warm=warm)
     out = {}
     for n, per_ubatch in zip(prompts, loads):
         if pool_filled_at_start(run, budgets, shape):  # no request misses: every lookup a pool hit
@@ -230,6 +233,24 @@ def bench_prefill_loads(run: dict, shape: ModelShape, trace, budgets: Budgets, p
                                              ssd_steps=0.0, ssd_step_misses=0.0)
         out.setdefault(n, per_ubatch)
     return out
+
+
+def warm_popularity(results: dict, run: dict, budgets: Budgets, policy, repo: Path) -> dict | None:
+    """A ``+warm`` run's starting popularity: its priming session's requests (the bench's record: which trace
+    requests, their prompts and the tokens the priming process decoded) replayed from cold caches of the run's
+    budgets; None for another run, or when the priming trace or record is missing."""
+    warm = results["workload"].get("warm") or {}
+    priming = (run.get("priming") or {}).get("requests") or []
+    if not run["config"].get("warm_start") or not priming or not warm.get("routing"):
+        return None
+    path = find_trace(warm["routing"], repo)
+    if path is None:
+        return None
+    from ..routing.trace import load_trace
+
+    requests = [(r["request"], r["n_prompt"], r["n_decoded"]) for r in priming]
+    return hits.priming_popularity(load_trace(path), requests, budgets.n_ubatch, budgets.pool_slots,
+                                   budgets.tier_blocks, policy)
 
 
 def pool_filled_at_start(run: dict, budgets: Budgets, shape: ModelShape) -> bool:
@@ -254,9 +275,10 @@ def within(r: float | None) -> bool | None:
 
 
 def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = DEFAULT_COSTS,
-            cache_dir: Path | None = None) -> dict:
+            cache_dir: Path | None = None, repo: Path | None = None) -> dict:
     """Rows of predicted against measured, decode and prefill, for every finished llamapack run of ``results``
     (and vanilla-vram's compute term against its measurement)."""
+    repo = repo or Path(__file__).resolve().parents[2]
     trace = hits.decode_trace(shape, cache_dir)
     prompts = hits.prompt_trace(shape, cache_dir)
     runs, rows = first_runs(results), combine(summaries(results))
@@ -286,8 +308,9 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
         first = [run["requests"][0]["n_prompt"]] if run["requests"] else []
         prediction = recommend.predict(shape, here, row.name, budgets, trace, 0, costs, prefill_lengths=measured_lengths,
                                        policy=policy, tier_preloaded=preloaded, prompt_source=prompts,
-                                       prefill_loads=bench_prefill_loads(run, shape, trace, budgets, policy, preloaded,
-                                                                         prompts),
+                                       prefill_loads=bench_prefill_loads(
+                                           run, shape, trace, budgets, policy, preloaded, prompts,
+                                           warm_popularity(results, run, budgets, policy, repo)),
                                        cold_lengths=first)
         native, whole = budgets.native_hot_path, budgets.whole_pool(shape)
         loads = measured_loads(run)
@@ -458,7 +481,7 @@ def check(results_path: str | os.PathLike, *, model: str | None = None, pack: st
         machine, machine_source = dataclasses.replace(machine, h2d_bytes_per_s=h2d_gbps * 1e9), machine_source + \
             f"; H2D set to {h2d_gbps:g} GB/s"
     costs = costs or DEFAULT_COSTS
-    table = compare(results, shape, machine, costs, root / "plan")
+    table = compare(results, shape, machine, costs, root / "plan", repo)
     meta = dict(results=str(results_path), model=Path(results["model"]["path"]).name,
                 results_machine=results.get("machine", {}).get("gpus") or f"no GPU, {results.get('machine', {}).get('cpus')} CPUs",
                 results_date=results.get("machine", {}).get("date"),

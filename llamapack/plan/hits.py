@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import cache_policy
+from ..provider.settings import StreamingSettings
 from ..routing import RoutingCounts, RoutingModel, RoutingTrace, TraceError, load_trace, save_trace
 from ..routing.counts import SHIPPED_COUNTS, load_counts
 from .model import ModelShape, StepLoads
@@ -39,6 +40,7 @@ TRACE_SEED = 0
 PROMPT_TRACE_REQUESTS = 2    # prompts: request i of a sequence takes request i % 2's prefill rows
 PROMPT_TRACE_TOKENS = 512    # prefill rows per request: the largest ubatch the plan chooses
 COUNTS_TOKENS = 1_000_000    # the heat scale of derived counts (only shares matter)
+WARM_TIER_BATCH = 8 * StreamingSettings().stage_slots  # the provider's tier fill reads this many keys a step
 
 
 def shape_counts(n_layers: int, n_experts: int, top_k: int) -> RoutingCounts:
@@ -111,18 +113,53 @@ def _model_trace(shape: ModelShape, cache_dir, n_requests: int, n_prefill: int, 
     return trace
 
 
+def new_caches(pool_slots: int, tier_blocks: int, policy=None):
+    """A pool of ``pool_slots`` and a tier of ``tier_blocks`` (0: None), each with ``policy`` (a policy class;
+    None: the default policy)."""
+    policy = policy or cache_policy.DEFAULT_POLICY
+    return policy(pool_slots), policy(tier_blocks) if tier_blocks else None
+
+
+def warm_start(pool, tier, popularity: dict[int, list[float]], batch: int = WARM_TIER_BATCH) -> None:
+    """What the provider's warm start does with a saved ``popularity`` (``StreamingSettings.warm_start``): both
+    policies seeded, the tier's free blocks filled with the hottest experts (``batch`` a step, as no token uses
+    them), then the pool's free slots. Policies without a seed (LfuLru, Lru) start cold, as in the provider."""
+    from ..provider.warm import hottest
+
+    if not hasattr(pool, "seed"):
+        return
+    pool.seed(popularity)
+    if tier is not None and hasattr(tier, "seed"):
+        tier.seed(popularity)
+        free = tier.n_slots - len(tier.resident())
+        keys = [key for key in hottest(popularity, tier.n_slots) if tier.slot_of(key) is None][:free]
+        batch = min(batch, tier.n_slots)
+        for first in range(0, len(keys), batch):
+            tier.acquire(keys[first:first + batch], n_tokens=0)
+    pool.preload(hottest(popularity, pool.n_slots))
+
+
 def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots: int, tier_blocks: int,
-           n_tokens: int | list[int] = 1, policy=None, preload: list[list[tuple[int, int]]] = ()) -> StepLoads:
+           n_tokens: int | list[int] = 1, policy=None, preload: list[list[tuple[int, int]]] = (),
+           warm: dict[int, list[float]] | None = None) -> StepLoads:
     """Sum the loads of the ``measured`` steps after replaying all of ``steps`` (each of ``n_tokens`` tokens, or
     per step, as the provider tells the policies) through a pool of ``pool_slots`` and a tier of ``tier_blocks``
     (0: none), each with ``policy`` (a policy class; None: the default policy). Also counts the steps with an SSD
     read and their misses (the steps the native hot path sends to Python). ``preload``: steps the tier alone
-    acquires first (a tier filled at load, ``tier_preload``)."""
-    policy = policy or cache_policy.DEFAULT_POLICY
-    pool = policy(pool_slots)
-    tier = policy(tier_blocks) if tier_blocks else None
-    for step in preload if tier is not None else ():
-        tier.acquire(step)
+    acquires (a tier filled at load, ``tier_preload``); ``warm``: a warm start from this popularity, first."""
+    pool, tier = new_caches(pool_slots, tier_blocks, policy)
+    if warm:
+        warm_start(pool, tier, warm)
+    for step in preload if tier is not None else ():  # after a warm start, as the provider: never evicting
+        step = [key for key in step if tier.slot_of(key) is None][:tier.n_slots - len(tier.resident())]
+        if step:
+            tier.acquire(step)
+    return run_steps(pool, tier, steps, measured, n_tokens)
+
+
+def run_steps(pool, tier, steps: list[list[tuple[int, int]]], measured: list[bool],
+              n_tokens: int | list[int] = 1) -> StepLoads:
+    """``replay``'s loop on caches the caller made (``new_caches``)."""
     tokens = n_tokens if isinstance(n_tokens, list) else [n_tokens] * len(steps)
     lookups = pool_hits = ram_hits = ssd_reads = ssd_steps = ssd_step_misses = 0
     for step, counted, n in zip(steps, measured, tokens):
@@ -217,15 +254,39 @@ def prefill_loads(shape: ModelShape, n_tokens: int, n_ubatch: int, pool_slots: i
     return _per(total, -(-n_tokens // n_ubatch))
 
 
+def priming_popularity(trace: RoutingTrace, requests: list[tuple[int, int, int]], n_ubatch: int, pool_slots: int,
+                       tier_blocks: int, policy=None) -> dict[int, list[float]] | None:
+    """The popularity a priming session saves at close (a bench ``+warm`` run's first process): ``requests``
+    ``(request, n_prompt, n_decoded)`` of ``trace`` served in order from cold caches of these budgets, each prompt
+    its request's first ``n_prompt`` prefill rows, then its first ``n_decoded`` decode rows (``bench/replay``);
+    the pool's policy's shares (None for a policy without them)."""
+    pool, tier = new_caches(pool_slots, tier_blocks, policy)
+    if not hasattr(pool, "popularity"):
+        return None
+    bounds, decode_steps = trace.request_bounds(), trace.steps()
+    steps, tokens = [], []
+    for request, n_prompt, n_decoded in requests:
+        prompt = prompt_steps(prompt_rows(trace, request), n_prompt, n_ubatch)
+        steps += prompt
+        tokens += [min(n_prompt, n_ubatch)] * len(prompt)
+        start, end = bounds[request % len(bounds)]
+        for t in [t for t in range(start, end) if not trace.prefill[t]][:n_decoded]:
+            steps += decode_steps[t * trace.n_layers:(t + 1) * trace.n_layers]
+            tokens += [1] * trace.n_layers
+    run_steps(pool, tier, steps, [False] * len(steps), tokens)
+    return pool.popularity()
+
+
 def request_prefill_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[int], n_decoded: list[int],
                           n_ubatch: int, pool_slots: int, tier_blocks: int, seed: int = TRACE_SEED,
-                          policy=None, preloaded: bool = False,
-                          prompt_source: RoutingTrace | None = None) -> list[StepLoads]:
+                          policy=None, preloaded: bool = False, prompt_source: RoutingTrace | None = None,
+                          warm: dict[int, list[float]] | None = None) -> list[StepLoads]:
     """A benchmark's requests in order (prompt ``prompts[i]`` tokens, then ``n_decoded[i]`` decode tokens of the
     trace's request i, as far as it has them), the cache carried from one to the next and empty at the start: the
     loads per ubatch of each prompt. What ``llamapack bench`` measures, where ``prefill_loads`` is a prompt after
     one of the same length. ``preloaded``: the tier filled at load. ``prompt_source``: prompt i takes request
-    i's prefill rows (``prompt_trace``); None: independent draws (the fallback)."""
+    i's prefill rows (``prompt_trace``); None: independent draws (the fallback). ``warm``: the caches start warm
+    from this popularity (``priming_popularity``)."""
     rng = np.random.default_rng(seed)
     bounds, decode_steps = trace.request_bounds(), trace.steps()
     steps, tokens, owner = [], [], []  # owner: the request whose prefill a step is (-1: decode)
@@ -241,7 +302,7 @@ def request_prefill_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[
         tokens += [1] * (len(decoded) * trace.n_layers)
         owner += [-1] * (len(decoded) * trace.n_layers)
     preload = tier_preload(shape.n_moe_layers, shape.n_experts, tier_blocks) if preloaded and tier_blocks else []
-    return [_per(replay(steps, [o == i for o in owner], pool_slots, tier_blocks, tokens, policy, preload),
+    return [_per(replay(steps, [o == i for o in owner], pool_slots, tier_blocks, tokens, policy, preload, warm),
                  -(-n_prompt // n_ubatch)) for i, n_prompt in enumerate(prompts)]
 
 
