@@ -37,6 +37,9 @@
 #   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh whole-pool", ...)  # #24: whole-pool
 #   graphs' CUDA bit-exactness, hybrid's endpoints, the model; then bench with +nowhole twins (round 13's README)
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round15", ...)  # both builds, packed
+#   into $OUT for a later cold machine (bench/pack_cuda_libs.sh, UPSTREAM_PACK), whole-pool and load-ahead CUDA
+#   bit-exactness, the model; then bench with UPSTREAM=1 and +ahead configs (gpu_round15_README.md)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
 repo="$(pwd)"
@@ -209,6 +212,28 @@ whole-pool-check)  # the whole-pool stage's CUDA bit-exactness alone (no model),
         --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 --whole-pool \
         > "$out/cuda_bitexact_whole_pool.log" 2>&1
     tail -3 "$out/cuda_bitexact_whole_pool.log"
+    ;;
+round15)  # #24 and load-ahead: our builds and upstream b11549's side by side, each also packed into $OUT for a
+         # later, cold machine (cuda-libs.tar.xz.partNN, cuda-libs.cpuflags, upstream-bin.tar.xz), whole-pool
+         # graphs' CUDA bit-exactness (leaf views), load-ahead's (a RAM tier, n_ubatch 7 and 512), the Qwen3-30B
+         # model; logs and the .md tables in $OUT/round15-logs.tar.gz (the device returns 8 files at most)
+    start_model "${SKEW:-0}"
+    (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} UPSTREAM_PACK=1 UPSTREAM_PREBUILT="$out/upstream-bin.tar.xz" \
+        bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
+    build_cuda
+    (SPLIT_MIB=15 bash bench/pack_cuda_libs.sh "$build" "$out/cuda-libs.tar.xz" && rm "$out/cuda-libs.tar.xz") \
+        > "$out/pack_cuda_libs.log" 2>&1 &
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_whole_pool.json" --provider streaming --sources gguf pack --ubatch 1 7 512 \
+        --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 --whole-pool \
+        > "$out/cuda_bitexact_whole_pool.log" 2>&1
+    tail -2 "$out/cuda_bitexact_whole_pool.log"
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack --ubatch 7 512 \
+        --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 24 --load-ahead 2 > "$out/cuda_bitexact_load_ahead.log" 2>&1
+    tail -2 "$out/cuda_bitexact_load_ahead.log"
+    wait; tail -2 "$out/synth.log"; tail -2 "$out/upstream_build.out"; tail -2 "$out/pack_cuda_libs.log"
+    (cd "$out" && tar czf round15-logs.tar.gz --remove-files -- *.log *.out *.txt *.md 2>/dev/null); ls -la "$out"
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \

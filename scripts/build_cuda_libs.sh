@@ -26,13 +26,5 @@ trap 'apply' EXIT  # the tree stays patched
 # the patch also touches ggml-backend (the scheduler's copy callback): libggml* are rebuilt too (~all of CUDA's)
 cmake --build "$build/build-patched" --target llama -j "${LLAMAPACK_JOBS:-$(nproc)}" > "$build/vanilla.log" 2>&1
 cp -a "$build"/build-patched/bin/lib*.so* "$build/vanilla/"
-# the two libggml-cuda (54 MB each, nearly the same) first and next to each other: xz -9's 64 MiB window keeps
-# one (~28 MB in all; the device call carries at most 64 MiB)
-cuda=$(basename "$(readlink -f "$build/patched/libggml-cuda.so")")
-tar cf "$build/libs.tar" -C "$build" "patched/$cuda" "vanilla/$cuda"
-tar rf "$build/libs.tar" -C "$build" --exclude="$cuda" patched vanilla
-xz -9 -T1 -c "$build/libs.tar" > .devtree/cuda-libs.tar.xz.part  # renamed when whole: a device call may carry it
-# ggml's CPU backend is compiled for this CPU (-march=native): the device checks it has these flags too
-source bench/cpuflags.sh && cpu_flags > .devtree/cuda-libs.cpuflags
-mv .devtree/cuda-libs.tar.xz.part .devtree/cuda-libs.tar.xz
+bash bench/pack_cuda_libs.sh "$build" .devtree/cuda-libs.tar.xz  # and .devtree/cuda-libs.cpuflags
 echo "built in $(( $(date +%s) - start )) s: .devtree/cuda-libs.tar.xz ($(du -h .devtree/cuda-libs.tar.xz | cut -f1))"
