@@ -71,3 +71,35 @@ def test_upstream_prebuilt_that_does_not_match_falls_back_to_a_build(tmp_path, t
     # the build then starts from the (stand-in, unreadable) source tarball and fails closed, naming it
     assert run.returncode != 0 and "upstream build FAILED: cannot unpack" in run.stderr
     assert not (tmp_path / "up" / "build" / "bin" / "llama-batched-bench").exists()
+
+
+def test_pack_cuda_libs_stores_copies_once_and_splits(tmp_path):
+    """bench/pack_cuda_libs.sh: cp -L copies of one lib under several names travel once (hard links), a
+    symlink stays a link, SPLIT_MIB parts join back to the archive, and the cpuflags file is this CPU's."""
+    build = tmp_path / "build"
+    cuda = os.urandom(3 << 20)  # incompressible: a second stored copy would double the archive
+    for variant in ("patched", "vanilla"):
+        (build / variant).mkdir(parents=True)
+        for name in ("libggml-cuda.so", "libggml-cuda.so.0"):
+            (build / variant / name).write_bytes(cuda)
+        (build / variant / "libllama.so.0").write_text(variant)
+        (build / variant / "libllama.so").symlink_to("libllama.so.0")
+    archive = tmp_path / "libs.tar.xz"
+    run = bash(f"bash bench/pack_cuda_libs.sh {build} {archive}", env=dict(SPLIT_MIB="1"))
+    assert run.returncode == 0, run.stderr
+    with tarfile.open(archive) as tar:  # the cuda libs first (xz's window), the other names of one as links
+        members = {m.name: m for m in tar.getmembers()}
+        assert [m.name for m in tar.getmembers()][:2] == ["patched/libggml-cuda.so", "vanilla/libggml-cuda.so"]
+    assert members["patched/libggml-cuda.so.0"].islnk() and members["vanilla/libggml-cuda.so.0"].islnk()
+    assert members["patched/libllama.so"].issym()
+    parts = sorted(tmp_path.glob("libs.tar.xz.part*"))
+    assert len(parts) >= 2 and b"".join(p.read_bytes() for p in parts) == archive.read_bytes()
+    assert (tmp_path / "libs.cpuflags").read_text().split() == this_cpu_flags()
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked)
+    for variant in ("patched", "vanilla"):
+        assert (unpacked / variant / "libggml-cuda.so.0").read_bytes() == cuda
+        assert (unpacked / variant / "libllama.so").is_symlink()
+        assert (unpacked / variant / "libllama.so").read_text() == variant
