@@ -68,11 +68,26 @@ def test_rows_take_the_runs_budgets_and_measurements(q30b):
     expected = (decode_compute_s(shape, machine) + 48 * (c.gpu_hook_s_per_layer + c.python_step_s)
                 + misses / decoded * (STRIDE / 1.1e9 + c.python_load_s))
     assert row["time_model_on_measured_hits_tok_s"] == pytest.approx(1 / expected)
-    # the prediction is the plan's: its trace replayed through NextUse at these slots, then the same time model
-    loads = hits.decode_loads(hits.decode_trace(shape, q30b[1] / "plan"), 1536, 0)
-    assert row["predicted_pool_hit_rate"] == pytest.approx(loads.pool_hit_rate)
-    assert row["predicted_decode_tok_s"] == pytest.approx(1 / decode_time(shape, machine, loads,
-                                                                          native_hot_path=False).total)
+    # the prediction: the bench's requests replayed in order through NextUse at these slots (the routing model's
+    # prompt rows, then as many of its decode tokens as each request decoded), each request's decoded tokens
+    # over their summed time in the same time model
+    trace, prompts = hits.decode_trace(shape, q30b[1] / "plan"), hits.prompt_trace(shape, q30b[1] / "plan")
+    decoded_each = [r["n_decoded"] for r in run["requests"]]
+    per_request = hits.request_loads(shape, trace, [r["n_prompt"] for r in run["requests"]], decoded_each,
+                                     results["workload"].get("n_ubatch", 512), 1536, 0, prompt_source=prompts)
+    seconds = sum(n * decode_time(shape, machine, loads, native_hot_path=False).total
+                  for n, (_, loads) in zip(decoded_each, per_request))
+    assert row["predicted_decode_tok_s"] == pytest.approx(decoded / seconds)
+    lookups = sum(n * loads.lookups for n, (_, loads) in zip(decoded_each, per_request))
+    assert row["predicted_pool_hit_rate"] == pytest.approx(
+        sum(n * loads.pool_hits for n, (_, loads) in zip(decoded_each, per_request)) / lookups)
+    first_request_reads = per_request[0][1]  # mostly keys the process reads for the first time: slower reads
+    assert first_request_reads.ssd_first_reads > per_request[1][1].ssd_first_reads
+    # beside it, the plan's own figure: its trace's last request (a steady state), the same time model
+    loads = hits.decode_loads(trace, 1536, 0)
+    assert row["plan_own_pool_hit_rate"] == pytest.approx(loads.pool_hit_rate)
+    assert row["plan_own_decode_tok_s"] == pytest.approx(1 / decode_time(shape, machine, loads,
+                                                                         native_hot_path=False).total)
     low, high = row["predicted_at_bench_disk_tok_s"]  # the bench's probes: 0.83 and 1.78 GB/s
     assert low < row["predicted_decode_tok_s"] < high
     assert rows["vanilla-vram"]["predicted_decode_tok_s"] == pytest.approx(1 / decode_compute_s(shape, machine))
@@ -130,8 +145,11 @@ def test_faster_disk_and_the_policy_of_each_run(tmp_path):
 
     trace = hits.decode_trace(shape_from_results(results, 8), tmp_path / "plan")
     lfu = hits.decode_loads(trace, 768, 0, policy=policy_class("lfu-lru"))
-    assert rows["pack-12.5%+lfulru@8G"]["predicted_pool_hit_rate"] == pytest.approx(lfu.pool_hit_rate)
-    assert lfu.pool_hit_rate != pytest.approx(rows["pack-12.5%@8G"]["predicted_pool_hit_rate"])
+    assert rows["pack-12.5%+lfulru@8G"]["plan_own_pool_hit_rate"] == pytest.approx(lfu.pool_hit_rate)
+    assert lfu.pool_hit_rate != pytest.approx(rows["pack-12.5%@8G"]["plan_own_pool_hit_rate"])
+    # the bench's sequence through each run's policy too
+    assert rows["pack-12.5%+lfulru@8G"]["predicted_pool_hit_rate"] != pytest.approx(
+        rows["pack-12.5%@8G"]["predicted_pool_hit_rate"])
 
 
 def test_refusals(tmp_path):

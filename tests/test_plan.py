@@ -147,6 +147,40 @@ def test_replay_counts_the_steps_that_read_the_ssd():
     assert preloaded.ssd_steps == preloaded.ssd_reads == 0
 
 
+def test_replay_counts_a_keys_first_read_in_the_process():
+    # a pool of 1: every step misses; (0, 0) is read twice, so 3 reads, 2 of them a key's first
+    counted = hits.replay([[(0, 0)], [(0, 1)], [(0, 0)]], [True] * 3, 1, 0)
+    assert counted.ssd_reads == 3 and counted.ssd_first_reads == 2
+    # the uncounted steps still read: measured alone, the third step's read is a repeat
+    assert hits.replay([[(0, 0)], [(0, 1)], [(0, 0)]], [False, False, True], 1, 0).ssd_first_reads == 0
+    # a tier filled at load was read before the first step: its block, evicted from a one-block tier by (0, 1)
+    # and read again, is a repeat
+    again = hits.replay([[(0, 1)], [(0, 0)]], [True, True], 1, 1, preload=[[(0, 0)]])
+    assert again.ssd_reads == 2 and again.ssd_first_reads == 1 and again.ram_hits == 0
+
+
+def test_decode_reads_cost_by_first_or_repeated():
+    costs = replace(DEFAULT_COSTS, decode_first_read_factor=2.0)
+    block = STRIDE / GPU.disk_bytes_per_s
+    for first, factor in ((None, 1.0), (0.0, 1.0), (10.0, 2.0), (5.0, 1.5)):
+        per_token = replace(loads(10), ssd_first_reads=first)
+        assert decode_time(QWEN30B, GPU, per_token, costs).ssd == pytest.approx(10 * block * factor)
+
+
+def test_bench_requests_decode_loads(tmp_path):
+    """request_loads: each request's decode loads per token after its prompt, the cache carried over; the first
+    request's decode reads keys for the first time, the second mostly again."""
+    small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
+    trace = hits.decode_trace(small, tmp_path)
+    (p1, d1), (p2, d2) = hits.request_loads(small, trace, [8, 8], [40, 40], 64, 12, 0)
+    assert p1.ssd_first_reads == p1.ssd_reads > 0                    # an empty cache: all first reads
+    assert d1.ssd_reads > 0 and d2.ssd_reads > 0 and d2.ssd_first_reads < d1.ssd_first_reads
+    assert d1.lookups == pytest.approx(4 * 2)                         # per decode token: top-2 in 4 layers
+    assert [p1, p2] == hits.request_prefill_loads(small, trace, [8, 8], [40, 40], 64, 12, 0)
+    (_, none), = hits.request_loads(small, trace, [8], [0], 64, 12, 0)
+    assert none.ssd_reads == 0 and none.lookups == 0
+
+
 def test_prefill_in_the_benchs_order(tmp_path):
     small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
     trace = hits.decode_trace(small, tmp_path)

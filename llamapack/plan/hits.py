@@ -147,38 +147,59 @@ def replay(steps: list[list[tuple[int, int]]], measured: list[bool], pool_slots:
     (0: none), each with ``policy`` (a policy class; None: the default policy). Also counts the steps with an SSD
     read and their misses (the steps the native hot path sends to Python). ``preload``: steps the tier alone
     acquires (a tier filled at load, ``tier_preload``); ``warm``: a warm start from this popularity, first."""
+    pool, tier = start_caches(pool_slots, tier_blocks, policy, preload, warm)
+    return run_steps(pool, tier, steps, measured, n_tokens, read=resident_keys(pool, tier))
+
+
+def start_caches(pool_slots: int, tier_blocks: int, policy=None, preload: list[list[tuple[int, int]]] = (),
+                 warm: dict[int, list[float]] | None = None):
+    """``new_caches`` as a process starts them: a warm start from ``warm``, then the tier's ``preload`` steps
+    (``tier_preload``) into its free blocks, never evicting, as the provider does."""
     pool, tier = new_caches(pool_slots, tier_blocks, policy)
     if warm:
         warm_start(pool, tier, warm)
-    for step in preload if tier is not None else ():  # after a warm start, as the provider: never evicting
+    for step in preload if tier is not None else ():
         step = [key for key in step if tier.slot_of(key) is None][:tier.n_slots - len(tier.resident())]
         if step:
             tier.acquire(step)
-    return run_steps(pool, tier, steps, measured, n_tokens)
+    return pool, tier
+
+
+def resident_keys(pool, tier) -> set[tuple[int, int]]:
+    """The keys the caches hold: read from the disk before the first step (a warm start, a tier preload)."""
+    return set(pool.resident()) | (set(tier.resident()) if tier is not None else set())
 
 
 def run_steps(pool, tier, steps: list[list[tuple[int, int]]], measured: list[bool],
-              n_tokens: int | list[int] = 1) -> StepLoads:
-    """``replay``'s loop on caches the caller made (``new_caches``)."""
+              n_tokens: int | list[int] = 1, read: set[tuple[int, int]] | None = None) -> StepLoads:
+    """``replay``'s loop on caches the caller made (``new_caches``). ``read``: the keys the process has read from
+    the disk before (updated), to count the SSD reads that are a key's first (``StepLoads.ssd_first_reads``)."""
+    labels = [True if counted else None for counted in measured]
+    return run_labelled_steps(pool, tier, steps, labels, n_tokens, read).get(True, StepLoads(0, 0, 0, 0, 0, 0, 0))
+
+
+def run_labelled_steps(pool, tier, steps: list[list[tuple[int, int]]], labels: list, n_tokens: int | list[int] = 1,
+                       read: set[tuple[int, int]] | None = None) -> dict:
+    """``run_steps`` summing the loads of each label's steps apart (a step labelled None is not counted)."""
     tokens = n_tokens if isinstance(n_tokens, list) else [n_tokens] * len(steps)
-    lookups = pool_hits = ram_hits = ssd_reads = ssd_steps = ssd_step_misses = 0
-    for step, counted, n in zip(steps, measured, tokens):
+    read = set() if read is None else read
+    sums: dict = {}
+    for step, label, n in zip(steps, labels, tokens):
         if not step:
             continue
         plan = pool.acquire(step, n_tokens=n)
         misses = [a.key for a in plan.assignments if not a.hit]
-        from_ram = 0
+        from_disk = misses
         if tier is not None and misses:
-            from_ram = tier.acquire(misses, n_tokens=n).hits
-        if counted:
-            lookups += len(plan.assignments)
-            pool_hits += plan.hits
-            ram_hits += from_ram
-            ssd_reads += len(misses) - from_ram
-            if len(misses) > from_ram:
-                ssd_steps += 1
-                ssd_step_misses += len(misses)
-    return StepLoads(lookups, pool_hits, ram_hits, ssd_reads, ssd_steps, ssd_step_misses)
+            from_disk = [a.key for a in tier.acquire(misses, n_tokens=n).assignments if not a.hit]
+        first = [key for key in from_disk if key not in read]
+        read.update(first)
+        if label is not None:
+            total = sums.setdefault(label, [0] * 7)
+            for k, value in enumerate((len(plan.assignments), plan.hits, len(misses) - len(from_disk), len(from_disk),
+                                       1 if from_disk else 0, len(misses) if from_disk else 0, len(first))):
+                total[k] += value
+    return {label: StepLoads(*total) for label, total in sums.items()}
 
 
 def tier_preload(n_layers: int, n_experts: int, tier_blocks: int) -> list[list[tuple[int, int]]]:
@@ -287,26 +308,42 @@ def request_prefill_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[
     one of the same length. ``preloaded``: the tier filled at load. ``prompt_source``: prompt i takes request
     i's prefill rows (``prompt_trace``); None: independent draws (the fallback). ``warm``: the caches start warm
     from this popularity (``priming_popularity``)."""
+    return [prefill for prefill, _ in request_loads(shape, trace, prompts, n_decoded, n_ubatch, pool_slots,
+                                                    tier_blocks, seed, policy, preloaded, prompt_source, warm)]
+
+
+def request_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[int], n_decoded: list[int], n_ubatch: int,
+                  pool_slots: int, tier_blocks: int, seed: int = TRACE_SEED, policy=None, preloaded: bool = False,
+                  prompt_source: RoutingTrace | None = None,
+                  warm: dict[int, list[float]] | None = None) -> list[tuple[StepLoads, StepLoads]]:
+    """``request_prefill_loads``' sequence, one replay: per request, (loads per ubatch of its prompt, loads per
+    token of its decode; a request that decoded nothing of the trace: zero loads), first reads counted from the
+    process's start (the caches' keys after a warm start or tier preload already read)."""
     rng = np.random.default_rng(seed)
     bounds, decode_steps = trace.request_bounds(), trace.steps()
-    steps, tokens, owner = [], [], []  # owner: the request whose prefill a step is (-1: decode)
+    steps, tokens, labels, decoded_counts = [], [], [], []
     for i, (n_prompt, n_dec) in enumerate(zip(prompts, n_decoded)):
         prompt = _prompt(shape, prompt_source, i, n_prompt, n_ubatch, rng)
         steps += prompt
         tokens += [min(n_prompt, n_ubatch)] * len(prompt)
-        owner += [i] * len(prompt)
+        labels += [("prefill", i)] * len(prompt)
         start, end = bounds[i % len(bounds)]
         decoded = [t for t in range(start, end) if not trace.prefill[t]][:n_dec]
         for t in decoded:
             steps += decode_steps[t * trace.n_layers:(t + 1) * trace.n_layers]
         tokens += [1] * (len(decoded) * trace.n_layers)
-        owner += [-1] * (len(decoded) * trace.n_layers)
+        labels += [("decode", i)] * (len(decoded) * trace.n_layers)
+        decoded_counts.append(len(decoded))
     preload = tier_preload(shape.n_moe_layers, shape.n_experts, tier_blocks) if preloaded and tier_blocks else []
-    return [_per(replay(steps, [o == i for o in owner], pool_slots, tier_blocks, tokens, policy, preload, warm),
-                 -(-n_prompt // n_ubatch)) for i, n_prompt in enumerate(prompts)]
+    pool, tier = start_caches(pool_slots, tier_blocks, policy, preload, warm)
+    sums = run_labelled_steps(pool, tier, steps, labels, tokens, read=resident_keys(pool, tier))
+    zero = StepLoads(0, 0, 0, 0, 0, 0, 0)
+    return [(_per(sums.get(("prefill", i), zero), -(-n_prompt // n_ubatch)),
+             _per(sums.get(("decode", i), zero), decoded_counts[i]))
+            for i, n_prompt in enumerate(prompts)]
 
 
 def _per(total: StepLoads, n: int) -> StepLoads:
     n = max(n, 1)
     return StepLoads(total.lookups / n, total.pool_hits / n, total.ram_hits / n, total.ssd_reads / n,
-                     total.ssd_steps / n, total.ssd_step_misses / n)
+                     total.ssd_steps / n, total.ssd_step_misses / n, total.ssd_first_reads / n)
