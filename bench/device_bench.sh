@@ -213,16 +213,21 @@ whole-pool-check)  # the whole-pool stage's CUDA bit-exactness alone (no model),
         > "$out/cuda_bitexact_whole_pool.log" 2>&1
     tail -3 "$out/cuda_bitexact_whole_pool.log"
     ;;
-round15)  # #24 and load-ahead: our builds and upstream b11549's side by side, each also packed into $OUT for a
-         # later, cold machine (cuda-libs.tar.xz.partNN, cuda-libs.cpuflags, upstream-bin.tar.xz), whole-pool
-         # graphs' CUDA bit-exactness (leaf views), load-ahead's (a RAM tier, n_ubatch 7 and 512), the Qwen3-30B
-         # model; logs and the .md tables in $OUT/round15-logs.tar.gz (the device returns 8 files at most)
+round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.tar.xz) and upstream b11549's side by
+         # side, whole-pool graphs' CUDA bit-exactness (leaf views), load-ahead's (a RAM tier, n_ubatch 7 and 512),
+         # the Qwen3-30B model; BENCH=1: then the bench (its variables as for bench) in the same call. Builds made
+         # here are packed into $OUT for a later, cold machine (cuda-libs.tar.xz.partNN, cuda-libs.cpuflags;
+         # upstream-bin.tar.xz unless BENCH=1). Logs and .md tables in $OUT/round15-logs.tar.gz (the device returns
+         # 8 files at most)
     start_model "${SKEW:-0}"
-    (UPSTREAM_JOBS=${UPSTREAM_JOBS:-8} UPSTREAM_PACK=1 UPSTREAM_PREBUILT="$out/upstream-bin.tar.xz" \
+    prebuilt_libs=; [ -f "$repo/.devtree/cuda-libs.tar.xz" ] && prebuilt_libs=1
+    pack_upstream=(); [ -n "${BENCH:-}" ] || pack_upstream=(UPSTREAM_PACK=1 UPSTREAM_PREBUILT="$out/upstream-bin.tar.xz")
+    (env UPSTREAM_JOBS="${UPSTREAM_JOBS:-$([ -n "$prebuilt_libs" ] && echo 16 || echo 8)}" "${pack_upstream[@]}" \
         bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
+    upstream=$!
     build_cuda
-    (SPLIT_MIB=15 bash bench/pack_cuda_libs.sh "$build" "$out/cuda-libs.tar.xz" && rm "$out/cuda-libs.tar.xz") \
-        > "$out/pack_cuda_libs.log" 2>&1 &
+    [ -n "$prebuilt_libs" ] || (SPLIT_MIB=15 bash bench/pack_cuda_libs.sh "$build" "$out/cuda-libs.tar.xz" \
+        && rm "$out/cuda-libs.tar.xz") > "$out/pack_cuda_libs.log" 2>&1 &
     python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_bitexact_whole_pool.json" --provider streaming --sources gguf pack --ubatch 1 7 512 \
         --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 --whole-pool \
@@ -232,7 +237,9 @@ round15)  # #24 and load-ahead: our builds and upstream b11549's side by side, e
         --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack --ubatch 7 512 \
         --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 24 --load-ahead 2 > "$out/cuda_bitexact_load_ahead.log" 2>&1
     tail -2 "$out/cuda_bitexact_load_ahead.log"
-    wait; tail -2 "$out/synth.log"; tail -2 "$out/upstream_build.out"; tail -2 "$out/pack_cuda_libs.log"
+    wait_for_model; wait "$upstream"; tail -2 "$out/upstream_build.out"
+    [ -z "${BENCH:-}" ] || bash "$repo/bench/device_bench.sh" bench 2>&1 | tail -12
+    wait; [ -f "$out/pack_cuda_libs.log" ] && tail -2 "$out/pack_cuda_libs.log"
     (cd "$out" && tar czf round15-logs.tar.gz --remove-files -- *.log *.out *.txt *.md 2>/dev/null); ls -la "$out"
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
