@@ -222,12 +222,15 @@ round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.t
     start_model "${SKEW:-0}"
     prebuilt_libs=; [ -f "$repo/.devtree/cuda-libs.tar.xz" ] && prebuilt_libs=1
     pack_upstream=(); [ -n "${BENCH:-}" ] || pack_upstream=(UPSTREAM_PACK=1 UPSTREAM_PREBUILT="$out/upstream-bin.tar.xz")
-    (env UPSTREAM_JOBS="${UPSTREAM_JOBS:-$([ -n "$prebuilt_libs" ] && echo 16 || echo 8)}" "${pack_upstream[@]}" \
-        bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
-    upstream=$!
+    if [ -z "${SKIP_UPSTREAM:-}" ]; then  # SKIP_UPSTREAM=1: no upstream build (and a bench without UPSTREAM)
+        (env UPSTREAM_JOBS="${UPSTREAM_JOBS:-$([ -n "$prebuilt_libs" ] && echo 16 || echo 8)}" "${pack_upstream[@]}" \
+            bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
+    fi
     build_cuda
-    [ -n "$prebuilt_libs" ] || (SPLIT_MIB=15 bash bench/pack_cuda_libs.sh "$build" "$out/cuda-libs.tar.xz" \
-        && rm "$out/cuda-libs.tar.xz") > "$out/pack_cuda_libs.log" 2>&1 &
+    if [ -z "$prebuilt_libs" ]; then
+        (SPLIT_MIB=15 bash bench/pack_cuda_libs.sh "$build" "$out/cuda-libs.tar.xz" && rm "$out/cuda-libs.tar.xz") \
+            > "$out/pack_cuda_libs.log" 2>&1 &
+    fi
     python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_bitexact_whole_pool.json" --provider streaming --sources gguf pack --ubatch 1 7 512 \
         --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 --whole-pool \
@@ -237,7 +240,7 @@ round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.t
         --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack --ubatch 7 512 \
         --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 24 --load-ahead 2 > "$out/cuda_bitexact_load_ahead.log" 2>&1
     tail -2 "$out/cuda_bitexact_load_ahead.log"
-    wait_for_model; wait "$upstream"; tail -2 "$out/upstream_build.out"
+    wait_for_model; wait; [ -n "${SKIP_UPSTREAM:-}" ] || tail -2 "$out/upstream_build.out"
     [ -z "${BENCH:-}" ] || bash "$repo/bench/device_bench.sh" bench 2>&1 | tail -12
     wait; [ -f "$out/pack_cuda_libs.log" ] && tail -2 "$out/pack_cuda_libs.log"
     (cd "$out" && tar czf round15-logs.tar.gz --remove-files -- *.log *.out *.txt *.md 2>/dev/null); ls -la "$out"
