@@ -67,15 +67,16 @@ class StreamingSettings:
     either way: bit-exact. ``whole_pool_graphs``: once the pool holds every served expert (checked after each
     ubatch; the native hot path on, no hybrid, no lookahead), graphs look slots up in static maps on the pool's
     device, with no split and no wait per layer; each step's ids are kept on the device and go through the same
-    bookkeeping (policy, counters) after the ubatch. Off by default: its first CUDA run (round 14) differed from
-    vanilla on two tiny archs (a graph node that stopped CUDA's gate/up/GLU fusion); the fix is bit-exact on CPU
-    and has not run on CUDA yet.
+    bookkeeping (policy, counters) after the ubatch. Off by default: bit-exact on CPU; on CUDA (round 15) for
+    qwen3moe, mixtral and deepseek2 but not gpt-oss, whose fused bias kernels read the pool's strided bias views
+    as contiguous.
     ``pool_preload``: with a pool that has a slot for every served expert (and the ``next-use`` policy), load
     them all when the provider starts (from the RAM tier where it holds them), so that no step misses.
     ``load_ahead_min_tokens``: after a step of at least this many tokens (a prefill ubatch; 0: off, the default),
     the next layer's experts that wait in the RAM tier get slots from the pool's policy and their copies start
     while this layer computes (llama_expert_load_ahead_set); needs the native hot path and a RAM tier that holds
-    every expert. Same kernels and inputs: bit-exact. Its speed on a GPU is not measured yet.
+    every expert. Same kernels and inputs: bit-exact (on CUDA too, round 15). Round 15 measured 2% off a 512-token
+    prefill at 25% on an H100 (22% of its loads unused).
     """
 
     cache_vram_mib: float | None = None
