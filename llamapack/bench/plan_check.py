@@ -24,9 +24,9 @@ requests; prefill: the second of two prompts of one length), the bench's request
 cache (its first prompt is cold, the next comes after the first's prompt and decode, and a decode read is often a
 block's first in the process, which costs more: ``Costs.decode_first_read_factor``), so each row predicts the
 bench's own sequence (``hits.request_loads``; decode: the requests' decoded tokens over their summed predicted
-time), with the plan's own figure beside it. The native hot path is on for a run whose config has ``native_hot_path`` (not
-``+pyhot``; results from before it existed ran the Python provider) with the ``next-use`` policy and no
-lookahead, as the provider decides.
+time), with the plan's own figure beside it. The native hot path is on for a run whose config has
+``native_hot_path`` (not ``+pyhot``; results from before it existed ran the Python provider) with the ``next-use``
+policy and no lookahead, as the provider decides.
 
 Replayed as the run did, where the plan itself does not: a RAM tier filled at load (``+preload``: the plan's tier
 starts cold) and a warm start (``+warm``: its priming requests replayed, their popularity seeding and filling the

@@ -170,12 +170,15 @@ def resident_keys(pool, tier) -> set[tuple[int, int]]:
     return set(pool.resident()) | (set(tier.resident()) if tier is not None else set())
 
 
+NO_LOADS = StepLoads(0, 0, 0, 0, 0, 0, 0)  # steps that loaded nothing (every count zero)
+
+
 def run_steps(pool, tier, steps: list[list[tuple[int, int]]], measured: list[bool],
               n_tokens: int | list[int] = 1, read: set[tuple[int, int]] | None = None) -> StepLoads:
     """``replay``'s loop on caches the caller made (``new_caches``). ``read``: the keys the process has read from
     the disk before (updated), to count the SSD reads that are a key's first (``StepLoads.ssd_first_reads``)."""
     labels = [True if counted else None for counted in measured]
-    return run_labelled_steps(pool, tier, steps, labels, n_tokens, read).get(True, StepLoads(0, 0, 0, 0, 0, 0, 0))
+    return run_labelled_steps(pool, tier, steps, labels, n_tokens, read).get(True, NO_LOADS)
 
 
 def run_labelled_steps(pool, tier, steps: list[list[tuple[int, int]]], labels: list, n_tokens: int | list[int] = 1,
@@ -337,9 +340,8 @@ def request_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[int], n_
     preload = tier_preload(shape.n_moe_layers, shape.n_experts, tier_blocks) if preloaded and tier_blocks else []
     pool, tier = start_caches(pool_slots, tier_blocks, policy, preload, warm)
     sums = run_labelled_steps(pool, tier, steps, labels, tokens, read=resident_keys(pool, tier))
-    zero = StepLoads(0, 0, 0, 0, 0, 0, 0)
-    return [(_per(sums.get(("prefill", i), zero), -(-n_prompt // n_ubatch)),
-             _per(sums.get(("decode", i), zero), decoded_counts[i]))
+    return [(_per(sums.get(("prefill", i), NO_LOADS), -(-n_prompt // n_ubatch)),
+             _per(sums.get(("decode", i), NO_LOADS), decoded_counts[i]))
             for i, n_prompt in enumerate(prompts)]
 
 

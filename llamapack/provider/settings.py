@@ -75,7 +75,8 @@ class StreamingSettings:
     ``load_ahead_min_tokens``: after a step of at least this many tokens (a prefill ubatch; 0: off, the default),
     the next layer's experts that wait in the RAM tier get slots from the pool's policy and their copies start
     while this layer computes (llama_expert_load_ahead_set); needs the native hot path and a RAM tier that holds
-    every expert. Same kernels and inputs: bit-exact (on CUDA too, round 15). Round 15 measured 2% off a 512-token
+    every expert. Same kernels and inputs: bit-exact on CPU; on CUDA, round 15's four tiny-arch cases with it on
+    were exact (that check does not count whether they loaded ahead). Round 15 measured 2% off a 512-token
     prefill at 25% on an H100 (22% of its loads unused).
     """
 
