@@ -37,8 +37,8 @@
 #   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh whole-pool", ...)  # #24: whole-pool
 #   graphs' CUDA bit-exactness, hybrid's endpoints, the model; then bench with +nowhole twins (round 13's README)
-#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round15", ...)  # both builds, packed
-#   into $OUT for a later cold machine (bench/pack_cuda_libs.sh, UPSTREAM_PACK), whole-pool and load-ahead CUDA
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round15", ...)  # both builds, ours
+#   packed into $OUT for a later cold machine (bench/pack_cuda_libs.sh; UPSTREAM_PACK=1: upstream's), whole-pool and load-ahead CUDA
 #   bit-exactness, the model; then bench with UPSTREAM=1 and +ahead configs (gpu_round15_README.md)
 # Stages reuse what earlier stages left in $WORK while the machine stays warm.
 set -uo pipefail
@@ -217,11 +217,11 @@ round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.t
          # side, whole-pool graphs' CUDA bit-exactness (leaf views), load-ahead's (a RAM tier, n_ubatch 7 and 512),
          # the Qwen3-30B model; BENCH=1: then the bench (its variables as for bench) in the same call. Builds made
          # here are packed into $OUT for a later, cold machine (cuda-libs.tar.xz.partNN, cuda-libs.cpuflags;
-         # upstream-bin.tar.xz unless BENCH=1). Logs and .md tables in $OUT/round15-logs.tar.gz (the device returns
-         # 8 files at most)
+         # UPSTREAM_PACK=1: upstream-bin.tar.xz). SKIP_LOAD_AHEAD=1 leaves the load-ahead check out. Logs, .md
+         # tables and the checks' JSON in $OUT/round15-logs.tar.gz (the device returns 8 files at most)
     start_model "${SKEW:-0}"
     prebuilt_libs=; [ -f "$repo/.devtree/cuda-libs.tar.xz" ] && prebuilt_libs=1
-    pack_upstream=(); [ -n "${BENCH:-}" ] || pack_upstream=(UPSTREAM_PACK=1 UPSTREAM_PREBUILT="$out/upstream-bin.tar.xz")
+    pack_upstream=(); [ -z "${UPSTREAM_PACK:-}" ] || pack_upstream=(UPSTREAM_PACK=1 UPSTREAM_PREBUILT="$out/upstream-bin.tar.xz")
     if [ -z "${SKIP_UPSTREAM:-}" ]; then  # SKIP_UPSTREAM=1: no upstream build (and a bench without UPSTREAM)
         (env UPSTREAM_JOBS="${UPSTREAM_JOBS:-$([ -n "$prebuilt_libs" ] && echo 16 || echo 8)}" "${pack_upstream[@]}" \
             bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1; echo "upstream rc $?" >> "$out/upstream_build.out") &
@@ -236,14 +236,15 @@ round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.t
         --archs qwen3moe-tiny gpt-oss-tiny deepseek2-tiny mixtral-tiny --pool-layers 99 --whole-pool \
         > "$out/cuda_bitexact_whole_pool.log" 2>&1
     tail -2 "$out/cuda_bitexact_whole_pool.log"
-    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
-        --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack --ubatch 7 512 \
-        --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 24 --load-ahead 2 > "$out/cuda_bitexact_load_ahead.log" 2>&1
-    tail -2 "$out/cuda_bitexact_load_ahead.log"
+    [ -n "${SKIP_LOAD_AHEAD:-}" ] || python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" \
+        --patched-lib "$build/patched" --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack \
+        --ubatch 7 512 --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 24 --load-ahead 2 \
+        > "$out/cuda_bitexact_load_ahead.log" 2>&1
+    [ -n "${SKIP_LOAD_AHEAD:-}" ] || tail -2 "$out/cuda_bitexact_load_ahead.log"
     wait_for_model; wait; [ -n "${SKIP_UPSTREAM:-}" ] || tail -2 "$out/upstream_build.out"
     [ -z "${BENCH:-}" ] || bash "$repo/bench/device_bench.sh" bench 2>&1 | tail -12
     wait; [ -f "$out/pack_cuda_libs.log" ] && tail -2 "$out/pack_cuda_libs.log"
-    (cd "$out" && tar czf round15-logs.tar.gz --remove-files -- *.log *.out *.txt *.md 2>/dev/null); ls -la "$out"
+    (cd "$out" && tar czf round15-logs.tar.gz --remove-files -- *.log *.out *.txt *.md *.json 2>/dev/null); ls -la "$out"
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \

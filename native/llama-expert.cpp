@@ -624,12 +624,8 @@ static void serve_whole_pool(llama_expert_hook * hook, ggml_backend_sched * sche
     }
 }
 
-// After a ubatch: when whole-pool graphs are allowed and now possible (the native hot path on, no hybrid, no
-// lookahead, the pool holding every expert of every served layer), write each layer's device map from the
-// pool's policy and have graphs rebuilt. The maps stay right while the pool holds every expert: nothing is then
-// loaded or evicted.
 // the bindings' slot views (first_slot, n_slots) of every pool tensor, as leaves placed in the pool buffer
-static bool make_slot_views(llama_expert_hook * hook) {
+static void make_slot_views(llama_expert_hook * hook) {
     ggml_init_params params = {
         /*.mem_size   =*/ (hook->pool_tensor.size() + 1) * ggml_tensor_overhead(),
         /*.mem_buffer =*/ nullptr,
@@ -644,19 +640,22 @@ static bool make_slot_views(llama_expert_hook * hook) {
         view->nb[2] = pool->nb[2];
         view->nb[3] = pool->nb[2] * b->n_slots;
         ggml_format_name(view, "%s-slots-%d+%d", pool->name, b->first_slot, b->n_slots);
-        if (ggml_backend_tensor_alloc(hook->pool_buf.get(), view, (char *) pool->data + (size_t) b->first_slot * pool->nb[2]) !=
-                GGML_STATUS_SUCCESS) {
-            LLAMA_LOG_WARN("llamapack: could not place %s; keeping the slot lookup\n", view->name);
-            return false;
-        }
+        // placed by hand, not by ggml_backend_tensor_alloc: its init_tensor takes the view for a tensor of its own,
+        // and CUDA's zeroes the row padding past a quantized tensor's end, which here is the first bytes of the
+        // slot after the layer's range (another layer's expert: gpt-oss-tiny differed on CUDA in round 15)
+        view->buffer = hook->pool_buf.get();
+        view->data   = (char *) pool->data + (size_t) b->first_slot * pool->nb[2];
         slot_view[weight] = view;
     }
     hook->old_slot_views_ctx = std::move(hook->slot_views_ctx);
     hook->slot_views_ctx     = std::move(views);
     hook->slot_view          = std::move(slot_view);
-    return true;
 }
 
+// After a ubatch: when whole-pool graphs are allowed and now possible (the native hot path on, no hybrid, no
+// lookahead, the pool holding every expert of every served layer), write each layer's device map from the
+// pool's policy and have graphs rebuilt. The maps stay right while the pool holds every expert: nothing is then
+// loaded or evicted.
 static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
     if (hook->whole_pool || !hook->whole_pool_allowed || !hook->fast || hook->cpu || hook->prefetch != nullptr ||
             hook->failed.load() || hook->bindings.empty() || ctx == nullptr) {
@@ -715,9 +714,7 @@ static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
         }
         ggml_backend_tensor_set(b->device_map, slots.data(), 0, slots.size() * sizeof(int32_t));
     }
-    if (!make_slot_views(hook)) {
-        return;
-    }
+    make_slot_views(hook);
     hook->stats.whole_pool_span = widest;
     hook->whole_pool = true;
     hook->generation++; // graphs are rebuilt with the static maps
