@@ -92,8 +92,7 @@ def streaming_settings(args) -> dict:
         settings["ram_preload"] = True
     if args.prefetch_in_flight:
         settings["prefetch_in_flight"] = args.prefetch_in_flight
-    if args.whole_pool:
-        settings["whole_pool_graphs"] = True
+    settings["whole_pool_graphs"] = args.whole_pool  # each check names the path it tests
     if args.load_ahead:
         settings["load_ahead_min_tokens"] = args.load_ahead
     if args.prefetch_depth > 1:
@@ -120,7 +119,7 @@ def main() -> int:
                         help="streaming provider: prefetch guessing this many layers ahead (implies --prefetch)")
     parser.add_argument("--prefetch-in-flight", type=int, help="streaming provider: lookahead pieces read at once")
     parser.add_argument("--whole-pool", action="store_true",
-                        help="streaming provider: whole-pool graphs (off by default in llamapack)")
+                        help="streaming provider: whole-pool graphs (llamapack's default; off here unless given)")
     parser.add_argument("--load-ahead", type=int, default=0,
                         help="streaming provider: load-ahead after steps of at least this many tokens (0: off)")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")

@@ -214,8 +214,8 @@ def test_nowhole_keeps_the_lookup_when_the_pool_holds_every_expert():
     with pytest.raises(RuntimeError, match=r"\+nowhole needs llamapack.Llama to take whole_pool_graphs"):
         lookup_option(Old, nowhole)  # never silently whole-pool
     assert lookup_option(New, nowhole) == {"whole_pool_graphs": False}
-    # the other llamapack runs measure them on (llamapack's own default is off until their CUDA check)
-    assert lookup_option(New, parse_config("pack-100%", 16)) == {"whole_pool_graphs": True}
+    # the other llamapack runs keep llamapack's default (on)
+    assert lookup_option(New, parse_config("pack-100%", 16)) == {}
     assert lookup_option(New, parse_config("vanilla-vram", 16)) == {} == lookup_option(Old, parse_config("pack-100%", 16))
     both = parse_config("pack-100%+oppath+nowhole", 16)
     assert lookup_option(type("Both", (), {"__init__": lambda self, m, *, slot_lookup_max_tokens=32,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .configs import AHEAD_MIN_TOKENS, VANILLA, BenchConfig
+from .configs import AHEAD_MIN_TOKENS, BenchConfig
 from .workload import prompt_tokens
 
 
@@ -94,8 +94,7 @@ def hybrid_option(llama_class, config: BenchConfig) -> dict:
 
 
 def lookup_option(llama_class, config: BenchConfig) -> dict:
-    """``slot_lookup_max_tokens=0`` for ``+oppath``, ``whole_pool_graphs`` False for ``+nowhole`` (True for the
-    other llamapack runs where this Llama takes it: llamapack's default is off until its CUDA exactness is checked),
+    """``slot_lookup_max_tokens=0`` for ``+oppath``, ``whole_pool_graphs`` False for ``+nowhole``,
     ``load_ahead_min_tokens`` for ``+ahead`` (an error when this Llama lacks the setting); {} otherwise."""
     wanted = ({} if config.slot_lookup else dict(slot_lookup_max_tokens=0)) | (
         {} if config.whole_pool else dict(whole_pool_graphs=False)) | (
@@ -105,8 +104,6 @@ def lookup_option(llama_class, config: BenchConfig) -> dict:
     for name in wanted:
         if name not in params:
             raise RuntimeError(f"{config.name}: {option[name]} needs llamapack.Llama to take {name}")
-    if config.whole_pool and config.source != VANILLA and "whole_pool_graphs" in params:
-        wanted["whole_pool_graphs"] = True  # the bench measures them, though llamapack's default is off for now
     return wanted
 
 

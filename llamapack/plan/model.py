@@ -192,7 +192,7 @@ class Budgets:
     n_ubatch: int
     gpu: bool
     native_hot_path: bool = True
-    whole_pool_graphs: bool = False  # StreamingSettings.whole_pool_graphs and its default (no hybrid, no lookahead)
+    whole_pool_graphs: bool = True  # StreamingSettings.whole_pool_graphs and its default (no hybrid, no lookahead)
 
     def whole_pool(self, shape: "ModelShape") -> bool:
         """Whether graphs run whole-pool (a slot for every expert, the native hot path on): no cache step per
