@@ -37,6 +37,8 @@
 #   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh whole-pool", ...)  # #24: whole-pool
 #   graphs' CUDA bit-exactness, hybrid's endpoints, the model; then bench with +nowhole twins (round 13's README)
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 CONFIGS=... UPSTREAM_RUNS=... bash bench/device_bench.sh peer", ...)
+#   # the builds (prebuilt where carried), the model, then bench beside upstream's runs (gpu_round16_README.md)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round15", ...)  # both builds, ours
 #   packed into $OUT for a later cold machine (bench/pack_cuda_libs.sh; UPSTREAM_PACK=1: upstream's), whole-pool and load-ahead CUDA
 #   bit-exactness, the model; then bench with UPSTREAM=1 and +ahead configs (gpu_round15_README.md)
@@ -245,6 +247,14 @@ round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.t
     [ -z "${BENCH:-}" ] || bash "$repo/bench/device_bench.sh" bench 2>&1 | tail -12
     wait; [ -f "$out/pack_cuda_libs.log" ] && tail -2 "$out/pack_cuda_libs.log"
     (cd "$out" && tar czf round15-logs.tar.gz --remove-files -- *.log *.out *.txt *.md *.json 2>/dev/null); ls -la "$out"
+    ;;
+peer)  # a same-run comparison with upstream b11549: our libs and upstream's binary (prebuilt where carried, else
+      # built), the model, then the bench with UPSTREAM=1 (its other variables as for bench)
+    start_model "${SKEW:-0}"
+    bash bench/upstream_build.sh > "$out/upstream_build.out" 2>&1 &
+    build_cuda
+    wait_for_model; wait; tail -1 "$out/upstream_build.out"
+    UPSTREAM=1 bash "$repo/bench/device_bench.sh" bench 2>&1 | tail -30
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
