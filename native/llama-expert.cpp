@@ -67,6 +67,7 @@ struct llama_expert_layer_binding {
     ggml_tensor *        device_map = nullptr;
     int32_t              first_slot = 0;
     int32_t              n_slots    = 0;
+    bool                 identity   = false; // expert e in slot first_slot + e (a preloaded pool): no lookup needed
 };
 
 // llama_expert_bench_replay_set's trace rows for the current request (benchmarks only)
@@ -709,8 +710,10 @@ static void update_whole_pool(llama_expert_hook * hook, llama_context * ctx) {
         b->first_slot = *lo;
         b->n_slots    = *hi - *lo + 1;
         widest = std::max(widest, b->n_slots);
-        for (int32_t & slot : slots) {
-            slot -= b->first_slot;
+        b->identity = true;
+        for (int32_t expert = 0; expert < b->n_expert; ++expert) {
+            slots[expert] -= b->first_slot;
+            b->identity = b->identity && slots[expert] == expert;
         }
         ggml_backend_tensor_set(b->device_map, slots.data(), 0, slots.size() * sizeof(int32_t));
     }
@@ -794,10 +797,12 @@ llama_expert_remap llama_expert_remap_build(
         ggml_tensor * kept = ggml_cpy(ctx, ggml_reshape_1d(ctx, ids, n_used * n_tokens),
                                       ggml_view_1d(ctx, hook->ring, n_used * n_tokens, at));
         ggml_format_name(kept, "%s%d", k_whole_pool_ids, binding->layer);
-        ggml_tensor * slots = ggml_get_rows(ctx, binding->device_map, kept);
-        ggml_format_name(slots, "llamapack_whole_pool_slots-%d", binding->layer);
+        // the ids are the slots in the layer's view when its map is the identity (a preloaded pool)
+        ggml_tensor * slots = binding->identity ? kept : ggml_get_rows(ctx, binding->device_map, kept);
         binding->n_used  = (int32_t) n_used;
         remap.ids        = ggml_reshape_2d(ctx, slots, n_used, n_tokens); // [n_used, n_tokens]
+        // named apart from `kept`: serve_whole_pool finds the ring copies by their name's prefix
+        ggml_format_name(remap.ids, "llamapack_whole_pool_slots-%d", binding->layer);
         remap.whole_pool = true;
         return remap;
     }
