@@ -67,8 +67,9 @@ class StreamingSettings:
     either way: bit-exact. ``whole_pool_graphs``: once the pool holds every served expert (checked after each
     ubatch; the native hot path on, no hybrid, no lookahead), graphs look slots up in static maps on the pool's
     device, with no split and no wait per layer; each step's ids are kept on the device and go through the same
-    bookkeeping (policy, counters) after the ubatch. On by default: bit-exact on CPU, and on CUDA in round 16
-    (4 tiny archs, n_ubatch 1, 7 and 512; the Q30B-shaped model's 400 decode steps).
+    bookkeeping (policy, counters) after the ubatch; a layer whose map is the identity (a preloaded pool) skips
+    the lookup. On by default: bit-exact on CPU, and on CUDA in rounds 16 and 17 (4 tiny archs, n_ubatch 1, 7
+    and 512; the Q30B-shaped model's 400 decode steps).
     ``pool_preload``: with a pool that has a slot for every served expert (and the ``next-use`` policy), load
     them all when the provider starts (from the RAM tier where it holds them), so that no step misses.
     ``load_ahead_min_tokens``: after a step of at least this many tokens (a prefill ubatch; 0: off, the default),
