@@ -53,7 +53,9 @@ def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_
         depth = streaming_.get("prefetch_depth", 1)
         label = provider + ("+ram" if streaming_.get("ram_cache_mib") else "") + (
             "+preload" if streaming_.get("ram_preload") else "") + (
-            ("+prefetch" + (f"-d{depth}" if depth > 1 else "")) if streaming_.get("prefetch") else "")
+            ("+prefetch" + (f"-d{depth}" if depth > 1 else "")) if streaming_.get("prefetch") else "") + (
+            "+ahead" if streaming_.get("load_ahead_min_tokens") else "") + (
+            "+windows" if streaming_.get("layer_windows_min_tokens") else "")
         cases.append(case(preset, label, source, n_ubatch, n_prompt, n_slots, spec.n_expert, want, noprov, got,
                           stats, time.time() - t0))
     return cases
@@ -72,17 +74,18 @@ def case(preset, provider, source, n_ubatch, n_prompt, n_slots, n_expert, want, 
                 ram_preloaded=stats.get("ram_preloaded", 0), ram_hits=stats.get("ram_hits", 0),
                 read_engine=stats.get("read_engine", "-"), native_steps=stats.get("native_steps", 0),
                 lookup_steps=stats.get("lookup_steps", 0), whole_pool_steps=stats.get("whole_pool_steps", 0),
-                whole_pool_span=stats.get("whole_pool_span", 0), acquires=stats.get("acquires", 0), seconds=round(seconds, 1))
+                whole_pool_span=stats.get("whole_pool_span", 0), acquires=stats.get("acquires", 0),
+                ahead_loads=stats.get("ahead_loads", 0), seconds=round(seconds, 1))
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions | misses read ahead | reads on | native steps | lookup steps | whole-pool steps (widest slot view) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arch | provider | source | n_ubatch | slots/experts | bit-exact | patched, no provider | max abs diff | rows differing | misses | evictions | misses read ahead | reads on | native steps | lookup steps | whole-pool steps (widest slot view) | loaded ahead |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['preset']} | {r.get('provider', 'reference')} | {r.get('source', 'gguf')} | {r['n_ubatch']} | {r['n_slots']}/{r['n_expert']} | {r['bit_exact']} | "
                      f"{r['patched_no_provider_bit_exact']} | {r['max_abs_diff']:.3g} | {r['rows_differing']}/{r['rows']} | "
                      f"{r['cache_misses']} | {r['cache_evictions']} | {r.get('prefetch_used', 0)} | {r.get('read_engine', '-')} | "
-                     f"{r.get('native_steps', 0)}/{r.get('acquires', 0)} | {r.get('lookup_steps', 0)} | {r.get('whole_pool_steps', 0)} ({r.get('whole_pool_span', 0)}) |")
+                     f"{r.get('native_steps', 0)}/{r.get('acquires', 0)} | {r.get('lookup_steps', 0)} | {r.get('whole_pool_steps', 0)} ({r.get('whole_pool_span', 0)}) | {r.get('ahead_loads', 0)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -95,6 +98,8 @@ def streaming_settings(args) -> dict:
     settings["whole_pool_graphs"] = args.whole_pool  # each check names the path it tests
     if args.load_ahead:
         settings["load_ahead_min_tokens"] = args.load_ahead
+    if args.layer_windows:
+        settings["layer_windows_min_tokens"] = args.layer_windows
     if args.prefetch_depth > 1:
         return dict(settings, prefetch=True, prefetch_depth=args.prefetch_depth, prefetch_slots=4 * args.prefetch_depth)
     return dict(settings, prefetch=True) if args.prefetch else settings
@@ -122,6 +127,9 @@ def main() -> int:
                         help="streaming provider: whole-pool graphs (llamapack's default; off here unless given)")
     parser.add_argument("--load-ahead", type=int, default=0,
                         help="streaming provider: load-ahead after steps of at least this many tokens (0: off)")
+    parser.add_argument("--layer-windows", type=int, default=0,
+                        help="streaming provider: layer windows for ubatches of at least this many tokens (0: off; "
+                             "needs --ram-cache-mib for every expert and --ram-preload)")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
     parser.add_argument("--pool-layers", type=int, default=0,
                         help="a pool of this many layers' experts instead of the smallest (e.g. every layer's)")

@@ -88,7 +88,8 @@ class Llama(llama_cpp.Llama):
                  hybrid_fill_pool: bool = DEFAULTS.hybrid_fill_pool,
                  slot_lookup_max_tokens: int = DEFAULTS.slot_lookup_max_tokens,
                  whole_pool_graphs: bool = DEFAULTS.whole_pool_graphs, pool_preload: bool = DEFAULTS.pool_preload,
-                 load_ahead_min_tokens: int = DEFAULTS.load_ahead_min_tokens, **kwargs):
+                 load_ahead_min_tokens: int = DEFAULTS.load_ahead_min_tokens,
+                 layer_windows_min_tokens: int = DEFAULTS.layer_windows_min_tokens, **kwargs):
         self._provider = None
         if hybrid_threads is None and str(hybrid).lower() != "off":
             hybrid_threads = default_hybrid_threads(kwargs.get("n_threads"))
@@ -104,7 +105,8 @@ class Llama(llama_cpp.Llama):
             warm_start_dir=None if warm_start_dir is None else os.fspath(warm_start_dir), cache_policy=cache_policy,
             native_hot_path=native_hot_path, hybrid=hybrid, hybrid_threads=hybrid_threads,
             hybrid_fill_pool=hybrid_fill_pool, slot_lookup_max_tokens=slot_lookup_max_tokens,
-            whole_pool_graphs=whole_pool_graphs, pool_preload=pool_preload, load_ahead_min_tokens=load_ahead_min_tokens)
+            whole_pool_graphs=whole_pool_graphs, pool_preload=pool_preload, load_ahead_min_tokens=load_ahead_min_tokens,
+            layer_windows_min_tokens=layer_windows_min_tokens)
         if self.pack_settings is not None and self.pack_settings.streaming.hybrid != "off" and kwargs.get("lora_path"):
             raise ValueError("hybrid does not apply LoRA adapters to the rows it computes on the CPU: "
                              "pass hybrid='off' with lora_path")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 11
+EXPECTED_API_VERSION = 12
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -166,6 +166,13 @@ def set_load_ahead(ctx, min_tokens: int) -> None:
     """After a step of at least ``min_tokens`` tokens (0: off), the next layer's experts in the RAM tier are
     copied into the pool while the layer computes (llama_expert_load_ahead_set; the native hot path's)."""
     if lib().llama_expert_load_ahead_set(ctx, min_tokens) != 0:
+        raise NativeError(last_error(ctx))
+
+
+def set_layer_windows(ctx, min_tokens: int) -> None:
+    """Ubatches of at least ``min_tokens`` tokens (0: off) read each layer's experts from one of two windows of
+    pool slots, the next layer's loaded from the RAM tier meanwhile (llama_expert_layer_windows_set)."""
+    if lib().llama_expert_layer_windows_set(ctx, min_tokens) != 0:
         raise NativeError(last_error(ctx))
 
 

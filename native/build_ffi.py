@@ -128,6 +128,7 @@ int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llam
 int32_t llama_expert_fast_path_set_block(struct llama_context * ctx, int32_t block, void * addr);
 int32_t llama_expert_fast_path_stats_get(const struct llama_context * ctx, struct llama_expert_fast_path_stats * out);
 int32_t llama_expert_load_ahead_set(struct llama_context * ctx, int32_t min_tokens);
+int32_t llama_expert_layer_windows_set(struct llama_context * ctx, int32_t min_tokens);
 
 struct llama_expert_hybrid_desc {
     double           upload_share;

@@ -65,9 +65,12 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error) {
     const auto started = std::chrono::steady_clock::now();
     const int32_t n_ids = n_used * n_tokens;
-    if (copies_pending && !finish_copies(error)) { // hybrid's copies behind the last step, or load-ahead's
+    // load-ahead's copies still unissued (no split input copy started them), then every copy left running
+    if (!start_copies_behind(error) || (copies_pending && !finish_copies(error))) {
         return FAILED;
     }
+    windows_owned = false;                        // the acquire below may give out window slots
+    loads_are_windows = false;
     const bool ahead_step = layer == ahead_layer; // its flags are read when the step is served
     if (ahead_layer >= 0 && !ahead_step) {        // loaded ahead for a step that did not come next
         for (uint8_t flag : ahead_loaded) {
@@ -254,7 +257,9 @@ bool llama_expert_fast_path::load_ahead(int32_t layer, const int32_t * ids, int3
     if (n_loads == 0) {
         return true;
     }
-    if (copy_loads(next_layer, 0, n_loads, /*wait =*/ false, error) != SERVED) {
+    // the copies start later (start_copies_behind): when the scheduler has copied this layer's slot ids into
+    // its GPU split (a small copy that would otherwise queue behind them), else at the next step
+    if (copy_loads(next_layer, 0, /*n_now =*/ 0, /*wait =*/ false, error) != SERVED) {
         return false; // copy_loads abandoned the loads
     }
     ahead_layer = next_layer;
@@ -263,6 +268,94 @@ bool llama_expert_fast_path::load_ahead(int32_t layer, const int32_t * ids, int3
         ahead_loaded[load_keys[2*i + 1]] = 1;
     }
     counts.ahead_loads += n_loads;
+    return true;
+}
+
+// the experts in slots [0, 2 * n_window) forgotten by the pool's policy: the windows are ours until the next serve()
+bool llama_expert_fast_path::claim_windows(int32_t n_window, std::string & error) {
+    const int32_t n_resident = llama_expert_policy_size(pool);
+    std::vector<int32_t> resident_keys(2 * (size_t) n_resident), resident_slots(n_resident);
+    llama_expert_policy_resident(pool, resident_keys.data(), resident_slots.data(), n_resident);
+    for (int32_t i = 0; i < n_resident; ++i) {
+        if (resident_slots[i] < 2 * n_window &&
+                llama_expert_policy_abandon(pool, resident_keys[2*i], resident_keys[2*i + 1]) != 1) {
+            error = "layer windows: the pool's policy did not free slot " + std::to_string(resident_slots[i]);
+            return false;
+        }
+    }
+    windows_owned = true;
+    window_layer[0] = window_layer[1] = -1;
+    return true;
+}
+
+bool llama_expert_fast_path::window_step(int32_t layer, int32_t n_expert, int32_t window, int32_t n_window,
+                                         const int32_t * ids, int32_t n_ids, int32_t n_tokens, std::string & error) {
+    const auto started = std::chrono::steady_clock::now();
+    if (!start_copies_behind(error) || (copies_pending && !finish_copies(error))) { // this window's, loaded ahead
+        return false;
+    }
+    if (tier == nullptr || !tier_holds_every_key || window < 0 || window > 1 || n_expert > n_window) {
+        error = "layer " + std::to_string(layer) + ": a layer window needs a RAM tier that holds every expert";
+        return false;
+    }
+    if (!windows_owned && !claim_windows(n_window, error)) {
+        return false;
+    }
+    const bool loaded_ahead = window_layer[window] == layer;
+    window_layer[window] = -1; // the next load into this window is for another layer
+    if ((int32_t) position.size() < n_expert) {
+        position.assign(n_expert, -1);
+    }
+    keys.clear();
+    for (int32_t i = 0; i < n_ids; ++i) {
+        if (position[ids[i]] < 0) {
+            position[ids[i]] = 1;
+            keys.push_back(layer);
+            keys.push_back(ids[i]);
+        }
+    }
+    const int32_t n_keys = (int32_t) keys.size() / 2;
+    for (int32_t k = 0; k < n_keys; ++k) {
+        position[keys[2*k + 1]] = -1;
+    }
+    loads_are_windows = true; // until the next serve()
+    if (!loaded_ahead) { // the step's experts, now
+        load_keys = keys;
+        load_slots.resize(n_keys);
+        for (int32_t k = 0; k < n_keys; ++k) {
+            load_slots[k] = window * n_window + keys[2*k + 1];
+        }
+        if (copy_loads(layer, n_tokens, n_keys, /*wait =*/ true, error) != SERVED) {
+            return false;
+        }
+    } else {
+        counts.ahead_unused += n_expert - n_keys;
+    }
+    counts.steps++;
+    counts.tokens       += layer == first_layer ? n_tokens : 0;
+    counts.cache_misses += n_keys;
+    counts.ram_hits     += n_keys;
+    counts.seconds      += seconds_between(started, std::chrono::steady_clock::now());
+    return true;
+}
+
+bool llama_expert_fast_path::window_load_ahead(int32_t layer, int32_t n_expert, int32_t window, int32_t n_window,
+                                               std::string & error) {
+    if (copies_pending || behind_layer >= 0 || window < 0 || window > 1 || n_expert > n_window) {
+        return true; // nothing loaded ahead: the step loads its own experts
+    }
+    loads_are_windows = true;
+    load_keys.resize(2 * (size_t) n_expert); load_slots.resize(n_expert);
+    for (int32_t e = 0; e < n_expert; ++e) {
+        load_keys[2*e] = layer;
+        load_keys[2*e + 1] = e;
+        load_slots[e] = window * n_window + e;
+    }
+    if (copy_loads(layer, 0, /*n_now =*/ 0, /*wait =*/ false, error) != SERVED) {
+        return false;
+    }
+    window_layer[window] = layer;
+    counts.ahead_loads += n_expert;
     return true;
 }
 
@@ -323,6 +416,9 @@ void llama_expert_fast_path::step_cpu_rows(std::vector<llama_expert_cpu_row> & r
 }
 
 void llama_expert_fast_path::abandon_loads() {
+    if (loads_are_windows) {
+        return; // window slots belong to no key of the pool's policy
+    }
     for (size_t i = 0; i + 1 < load_keys.size(); i += 2) {
         llama_expert_policy_abandon(pool, load_keys[i], load_keys[i + 1]); // its slot holds no expert
     }
@@ -337,7 +433,7 @@ bool llama_expert_fast_path::finish_copies(std::string & error) {
     const int32_t rc = sync(stream);
     counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
     if (rc != 0) {
-        for (size_t i = 0; i + 1 < pending_loads.size(); i += 2) {
+        for (size_t i = 0; !pending_are_windows && i + 1 < pending_loads.size(); i += 2) {
             llama_expert_policy_abandon(pool, pending_loads[i], pending_loads[i + 1]);
         }
         error = "waiting for the copies from RAM to the GPU failed (CUDA error " + std::to_string(rc) + ")";
@@ -388,6 +484,7 @@ llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer,
     if (sync != nullptr) {
         copies_pending = true;
         pending_loads = load_keys;
+        pending_are_windows = loads_are_windows;
         if (wait && !finish_copies(error)) {
             error = "layer " + std::to_string(layer) + ": " + error;
             return FAILED;

@@ -30,18 +30,36 @@ public:
                  int32_t * slots, std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error);
 
     // load-ahead (llama_expert_load_ahead_set): after a step of `layer` (ids: its experts, kept), give the
-    // experts of next_layer that wait in RAM blocks slots and start their copies (the next serve() waits for
-    // them). Does nothing without a tier that holds every key or while hybrid copies are pending. False with
-    // error set when a copy failed (its loads abandoned).
+    // experts of next_layer that wait in RAM blocks slots; their copies are left behind, for
+    // start_copies_behind() (the hook calls it once this layer's slot ids are on the GPU) or the next serve(),
+    // which starts them and waits. Does nothing without a tier that holds every key or while hybrid copies
+    // are pending. False with error set when the policy refused (its loads abandoned).
     bool load_ahead(int32_t layer, const int32_t * ids, int32_t n_ids, int32_t next_layer, int32_t n_expert_next,
                     std::string & error);
 
     // wait for copies serve() left running; false with error set when they failed
     bool finish_copies(std::string & error);
 
-    // hybrid with fill_pool: start the copies of the experts this step computed on the CPU into the slots the
-    // pool's policy gave them (serve() waits for them before the next step); false with error set on failure
+    // start the copies left behind: hybrid with fill_pool's (the experts this step computed on the CPU, into the
+    // slots the pool's policy gave them) or load-ahead's; serve() waits for them before the next step (and
+    // starts them first if nobody did). Nothing to do: true. False with error set on failure.
     bool start_copies_behind(std::string & error);
+    bool has_copies_behind() const { return behind_layer >= 0; }
+
+    // layer windows (llama_expert_layer_windows_set): window w is pool slots [w * n_window, w * n_window + n_expert),
+    // expert e of its layer in slot w * n_window + e, the view its matmuls read. The first window step after any
+    // other step takes slots [0, 2 * n_window) from the pool's policy (their experts forgotten). window_step: the
+    // step's experts are in window w when it returns true (loaded ahead, else copied now: the step's own, and
+    // waited for); counted as misses served from RAM (the pool's policy sees nothing). window_load_ahead: every
+    // expert of `layer` into window w, the copies left behind (start_copies_behind, or the next step starts them).
+    // Only with a RAM tier that holds every key (tier_holds_all()). False with error set on failure.
+    bool window_step(int32_t layer, int32_t n_expert, int32_t window, int32_t n_window, const int32_t * ids, int32_t n_ids,
+                     int32_t n_tokens, std::string & error);
+    bool window_load_ahead(int32_t layer, int32_t n_expert, int32_t window, int32_t n_window, std::string & error);
+    // a RAM tier that holds every key and has n_keys of them loaded (it then never evicts)
+    bool tier_holds_all(int32_t n_keys) const {
+        return tier != nullptr && tier_holds_every_key && llama_expert_policy_size(tier) >= n_keys;
+    }
 
     bool set_block(int32_t block, void * addr);
 
@@ -95,6 +113,11 @@ private:
     int32_t               ahead_layer = -1;  // load-ahead: the layer whose experts ahead_loaded flags
     std::vector<uint8_t>  ahead_loaded;      // per expert of ahead_layer: loaded ahead, not yet asked for
     std::vector<int32_t>  ahead_keys, ahead_pins;
+    bool                  loads_are_windows = false, pending_are_windows = false; // load_keys / pending_loads: window slots
+    bool                  windows_owned = false;     // window slots taken from the pool's policy since the last serve()
+    int32_t               window_layer[2] = { -1, -1 }; // the layer each window was loaded ahead with (-1: none)
+
+    bool claim_windows(int32_t n_window, std::string & error);
 
     llama_expert_fast_path_stats counts = {};
 

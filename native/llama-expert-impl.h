@@ -42,6 +42,8 @@ struct llama_expert_remap {
     ggml_tensor       * ids  = nullptr; // I32 slot ids [n_expert_used, n_tokens]
     // whole-pool graphs: the ids count from the layer's first slot, and the matmuls take its slot view
     bool                whole_pool = false;
+    // layer windows: 1 + the window whose view the matmuls take (the ids are the expert ids); 0: none
+    int32_t             window = 0;
     // hybrid (llama_expert_hybrid_set): rows computed on the CPU [n_embd, n_expert_used, n_tokens], and per row
     // where merge takes it from (k: the CPU's, n_expert_used + k: the pool's)
     ggml_tensor       * cpu_rows = nullptr;

@@ -129,6 +129,15 @@ struct llama_expert_hook {
     int32_t                  prefetch_depth = 1;
     int32_t                  load_ahead_min_tokens = 0; // llama_expert_load_ahead_set (0: off)
 
+    // layer windows (llama_expert_layer_windows_set): ubatches of at least window_min_tokens tokens read each
+    // layer's experts from one of two windows of n_window pool slots (slot w * n_window + expert), loaded from
+    // the RAM tier the layer before; window_view[w]: original weight -> its view of window w
+    int32_t                  window_min_tokens = 0;
+    int32_t                  n_window = 0;
+    int32_t                  n_window_keys = 0; // the served layers' experts: the RAM tier must hold them all
+    ggml_context_ptr         window_ctx;
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> window_view[2];
+
     // wall time spent in the callbacks, measured on this side (remap ops run on one thread, one at a time)
     llama_expert_hook_stats stats = {};
 
@@ -491,8 +500,27 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
     return true;
 }
 
+static const char * k_slot_ids = "llamapack_slot_ids-"; // + the layer: a remap op's output
+
+// Load-ahead: the copy of a remap op's slot ids into the GPU split that reads them is made here, and completed,
+// before the copies load-ahead left behind start. Made after them, by the scheduler, it would wait behind them
+// (one copy engine serves host-to-device copies in the order they came, whatever their stream), and the layer's
+// matmuls with it. False: not such a copy, or nothing left behind (the scheduler copies as usual).
+static bool copy_slot_ids_then_load_ahead(llama_expert_hook * hook, const ggml_tensor * src, ggml_tensor * dst) {
+    if (!hook->fast || !hook->fast->has_copies_behind() || strncmp(src->name, k_slot_ids, strlen(k_slot_ids)) != 0) {
+        return false;
+    }
+    ggml_backend_tensor_copy(const_cast<ggml_tensor *>(src), dst); // synchronous: the copy engine is idle now
+    if (!hook->failed.load() && !hook->fast->start_copies_behind(fast_error(hook))) {
+        hook->set_error(hook->fast_error); // the next step refuses nothing: the decode reports the failure
+        hook->failed = true;
+    }
+    return true;
+}
+
 // The scheduler's copy callback: the copy of a slot map into its split runs the step (lookup_step) and copies the
-// map asynchronously (the next write to this map comes after a later synchronize). Other inputs: not ours.
+// map asynchronously (the next write to this map comes after a later synchronize); the copy of slot ids with
+// load-ahead's copies behind them: copy_slot_ids_then_load_ahead. Other inputs: not ours.
 static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, ggml_cgraph * graph,
                         void * user_data) {
     llama_expert_hook * hook = ((llama_context *) user_data)->expert_hook.get();
@@ -501,7 +529,7 @@ static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_te
     }
     const auto it = hook->binding_of_map.find(src);
     if (it == hook->binding_of_map.end()) {
-        return false;
+        return copy_slot_ids_then_load_ahead(hook, src, dst);
     }
     llama_expert_layer_binding * b = it->second;
     auto * map = (int32_t *) src->data;
@@ -565,6 +593,73 @@ static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_bind
         return hook->model->hparams.swiglu_clamp_exp[binding->layer] > 1e-6f ? -1 : GGML_GLU_OP_SWIGLU;
     }
     return ffn_op == LLM_FFN_GELU ? GGML_GLU_OP_GEGLU : -1;
+}
+
+// --- layer windows -----------------------------------------------------------------------------------------
+
+// CPU custom op (layer windows): the layer's experts are in its window (loaded ahead, else copied now), so the
+// slot ids are the expert ids; then the next served layer's experts start loading into the other window (the
+// copies left behind until this layer's ids are on the GPU: copy_slot_ids_then_load_ahead).
+static void window_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto * b    = (llama_expert_layer_binding *) userdata;
+    auto * hook = b->hook;
+    const ggml_tensor * sel = dst->src[0];
+    const int32_t n_used = (int32_t) sel->ne[0], n_tokens = (int32_t) sel->ne[1];
+    const size_t  n      = (size_t) n_used * n_tokens;
+    int32_t * out = (int32_t *) dst->data;
+    std::fill(out, out + n, 0); // fail closed, as the remap op
+    if (hook->failed.load() || !take_ids(hook, b, (const char *) sel->data, sel->nb[0], sel->nb[1], n_used, n_tokens) ||
+            (hook->replay && !replay_ids(hook, b, n_used, n_tokens))) {
+        hook->failed = true;
+        return;
+    }
+    const int32_t window = b->position % 2;
+    if (!hook->fast->window_step(b->layer, b->n_expert, window, hook->n_window, hook->scratch_ids.data(), (int32_t) n,
+                                 n_tokens, fast_error(hook)) ||
+            (b->next != nullptr && !hook->fast->window_load_ahead(b->next->layer, b->next->n_expert, 1 - window,
+                                                                  hook->n_window, fast_error(hook)))) {
+        hook->set_error(hook->fast_error);
+        hook->failed = true;
+        return;
+    }
+    std::copy(hook->scratch_ids.begin(), hook->scratch_ids.begin() + n, out);
+}
+
+// whether this layer's step of n_tokens goes through a window (graph build time)
+static bool window_applies(const llama_expert_hook * hook, const llama_expert_layer_binding * b, int32_t glu,
+                           int64_t n_tokens) {
+    return hook->window_min_tokens > 0 && n_tokens >= hook->window_min_tokens && glu < 0 && hook->prefetch == nullptr &&
+           hook->fast && hook->fast->tier_holds_all(hook->n_window_keys) && b->n_expert <= hook->n_window &&
+           !hook->window_view[0].empty();
+}
+
+// both windows' views of every pool tensor, leaves placed in the pool buffer as make_slot_views places its own
+static void make_window_views(llama_expert_hook * hook) {
+    ggml_init_params params = {
+        /*.mem_size   =*/ (2 * hook->pool_tensor.size() + 1) * ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context_ptr views(ggml_init(params));
+    for (int32_t w = 0; w < 2; ++w) {
+        hook->window_view[w].clear();
+        for (const auto & [weight, pool] : hook->pool_tensor) {
+            const llama_expert_layer_binding * b = hook->binding_of.at(weight);
+            ggml_tensor * view = ggml_new_tensor_3d(views.get(), pool->type, pool->ne[0], pool->ne[1], b->n_expert);
+            view->nb[1] = pool->nb[1];
+            view->nb[2] = pool->nb[2];
+            view->nb[3] = pool->nb[2] * b->n_expert;
+            ggml_format_name(view, "%s-window-%d", pool->name, w);
+            view->buffer = hook->pool_buf.get();
+            view->data   = (char *) pool->data + (size_t) w * hook->n_window * pool->nb[2];
+            hook->window_view[w][weight] = view;
+        }
+    }
+    hook->window_ctx = std::move(views);
 }
 
 // --- whole-pool graphs --------------------------------------------------------------------------------------
@@ -806,6 +901,16 @@ llama_expert_remap llama_expert_remap_build(
         remap.whole_pool = true;
         return remap;
     }
+    if (window_applies(hook, binding, glu, n_tokens)) {
+        // layer windows: slot ids = expert ids in this layer's window; the op loads the next layer's window
+        remap.ids = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 1, 1, args, 1, window_op, 1, binding);
+        ggml_format_name(remap.ids, "%s%d-window", k_slot_ids, binding->layer);
+        remap.window = 1 + binding->position % 2;
+        if (sched != nullptr) {
+            ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx); // copy_slot_ids_then_load_ahead
+        }
+        return remap;
+    }
     if (ggml_backend_t backend = glu < 0 ? lookup_backend(hook, binding, sched, n_tokens) : nullptr) {
         // slot ids = map[router id], on the GPU; the scheduler's copy of the map into this split runs the step
         ggml_tensor * ids = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
@@ -820,7 +925,10 @@ llama_expert_remap llama_expert_remap_build(
         }
     }
     remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, glu >= 0 ? 2 : 1, 1, args, n_args, remap_op, 1, binding);
-    ggml_format_name(remap.ids, "llamapack_slot_ids-%d", binding->layer);
+    ggml_format_name(remap.ids, "%s%d", k_slot_ids, binding->layer);
+    if (sched != nullptr && hook->load_ahead_min_tokens > 0) {
+        ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx); // copy_slot_ids_then_load_ahead
+    }
     if (glu >= 0) {
         hook->cpu_layers.at(binding->layer).glu = glu;
         ggml_tensor * both = remap.ids;
@@ -851,7 +959,9 @@ void llama_expert_remap_apply(const llama_expert_remap * remap, ggml_tensor * mu
     auto it = remap->hook->pool_tensor.find(mul_mat_id->src[0]);
     GGML_ASSERT(it != remap->hook->pool_tensor.end() && "every role of a served layer must have a pool tensor");
     // whole-pool graphs: the layer's own range of slots (make_slot_views)
-    mul_mat_id->src[0] = remap->whole_pool ? remap->hook->slot_view.at(mul_mat_id->src[0]) : it->second;
+    mul_mat_id->src[0] = remap->whole_pool ? remap->hook->slot_view.at(mul_mat_id->src[0])
+                       : remap->window > 0 ? remap->hook->window_view[remap->window - 1].at(mul_mat_id->src[0])
+                       : it->second;
     mul_mat_id->src[2] = remap->ids;
 }
 
@@ -1177,6 +1287,32 @@ int32_t llama_expert_load_ahead_set(llama_context * ctx, int32_t min_tokens) {
         return -1;
     }
     hook->load_ahead_min_tokens = std::max(min_tokens, 0);
+    hook->generation++; // graphs are rebuilt: the remap ops ask for the scheduler's copy callback
+    return 0;
+}
+
+int32_t llama_expert_layer_windows_set(llama_context * ctx, int32_t min_tokens) {
+    llama_expert_hook * hook = ctx ? ctx->expert_hook.get() : nullptr;
+    if (hook == nullptr || !hook->pool_buf) {
+        return -1;
+    }
+    int32_t n_window = 0, n_keys = 0;
+    for (const auto & b : hook->bindings) {
+        n_window = std::max(n_window, b->n_expert);
+        n_keys  += b->n_expert;
+    }
+    if (min_tokens > 0 && hook->n_slots < 2 * n_window) {
+        hook->set_error("layer windows need " + std::to_string(2 * n_window) + " slots (two layers' experts); the pool has " +
+                        std::to_string(hook->n_slots));
+        return -1;
+    }
+    hook->window_min_tokens = std::max(min_tokens, 0);
+    hook->n_window = n_window;
+    hook->n_window_keys = n_keys;
+    if (hook->window_min_tokens > 0 && hook->window_view[0].empty()) {
+        make_window_views(hook);
+    }
+    hook->generation++; // graphs are rebuilt with or without windows
     return 0;
 }
 

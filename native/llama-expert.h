@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 11
+#define LLAMA_EXPERT_API_VERSION 12
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -262,6 +262,19 @@ LLAMA_EXPERT_API int32_t llama_expert_fast_path_stats_get(const struct llama_con
 // one more call per layer (no visit: nothing learned); the kernels' inputs are unchanged (same experts, same
 // bytes), so results stay bit-identical. -1: no hook.
 LLAMA_EXPERT_API int32_t llama_expert_load_ahead_set(struct llama_context * ctx, int32_t min_tokens);
+
+// Layer windows (API 12): a ubatch of at least min_tokens tokens (0: off) reads each served layer's experts from
+// one of two windows of pool slots: window w is slots [w * n, w * n + n_expert), n the widest layer's n_expert,
+// expert e in slot w * n + e, so the matmuls see a tensor of the model's own shape. Layer i's step (the i-th
+// served layer) uses window i % 2 and starts copying every expert of the next served layer from the RAM tier
+// into the other window, after the scheduler's copy of this layer's ids, while this layer computes; the next
+// step waits for them. The first window step after any other takes the windows' slots from the pool's policy
+// (their experts are forgotten); window steps do not change the policy otherwise, and count each expert as a
+// miss served from RAM (ahead_loads / ahead_unused: loaded ahead / not asked for). Only with the native hot
+// path and a RAM tier that holds every expert, no lookahead, no hybrid split of the layer; otherwise the
+// ubatch takes the other paths. Same experts, same bytes: results stay bit-identical. -1 (error set): no pool,
+// or fewer than 2 n slots.
+LLAMA_EXPERT_API int32_t llama_expert_layer_windows_set(struct llama_context * ctx, int32_t min_tokens);
 
 // ---- Hybrid execution (native/llama-expert-hybrid.cpp) ----------------------------------------------------
 // With the native hot path set with a RAM tier, a step it serves may leave some of its pool misses in their

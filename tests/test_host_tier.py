@@ -443,3 +443,33 @@ def test_load_ahead_keeps_the_logits_and_the_steps(preset, models, vanilla, tmp_
         assert on[counter] == off[counter], counter
     assert on["cache_hits"] + on["cache_misses"] == off["cache_hits"] + off["cache_misses"]
     assert on["cache_misses"] >= on["ahead_loads"] - on["ahead_unused"]
+
+
+@pytest.mark.parametrize("preset", ["qwen3moe-tiny", "mixtral-tiny"])
+def test_layer_windows_keep_the_logits_and_count_every_step(preset, models, vanilla, tmp_path):
+    """StreamingSettings.layer_windows_min_tokens: prefill ubatches (7 tokens) read each layer's experts from one of
+    two windows of the pool (a host pool here: memcpy), loaded a layer ahead from the RAM tier; decode steps use the
+    pool as before. Vanilla's logits. Every step is counted as without windows (same lookups), each layer's whole
+    expert set but the first served layer's is loaded ahead. A pool smaller than two layers leaves windows off."""
+    from llamapack.synth import PRESETS as SPECS
+
+    n_ubatch, n_expert, n_layer = 7, SPECS[preset].n_expert, SPECS[preset].n_layer
+    streaming = dict(stage_slots=3, ram_cache_mib=tier_mib(models, preset, n_keys(preset)), ram_preload=True)
+    n_window_ubatches = N_PROMPT // n_ubatch  # the last, 1-token ubatch takes the pool
+    runs = {}
+    for name, min_tokens, n_slots in (("off", 0, 2 * n_expert + 1), ("on", 2, 2 * n_expert + 1),
+                                      ("small pool", 2, 2 * n_expert - 1)):
+        out = tmp_path / f"{name}.npy"
+        spec = spec_for(models[preset][0], n_ubatch, out, provider="streaming", n_slots=n_slots,
+                        streaming=dict(streaming, layer_windows_min_tokens=min_tokens), **source_spec(models, preset, "pack"))
+        runs[name] = run_self(spec, tmp_path)
+        assert np.array_equal(np.load(out), vanilla(preset, n_ubatch)), name
+    off, on, small = runs["off"]["stats"], runs["on"]["stats"], runs["small pool"]["stats"]
+    assert off["ahead_loads"] == 0 and small["ahead_loads"] == 0
+    assert on["ahead_loads"] == n_window_ubatches * (n_layer - 1) * n_expert
+    assert 0 <= on["ahead_unused"] < on["ahead_loads"]
+    for counter in ("acquires", "tokens"):
+        assert on[counter] == off[counter], counter
+    assert on["cache_hits"] + on["cache_misses"] == off["cache_hits"] + off["cache_misses"]
+    assert on["cache_misses"] >= on["ahead_loads"] - on["ahead_unused"]
+    assert on["cache_misses"] == on["ram_hits"] + on["ram_misses"]

@@ -44,7 +44,9 @@ class BenchConfig:
     ``whole_pool``: once the pool holds every expert, whole-pool graphs (static maps on the device, no split per
     layer; the default; ``+nowhole`` keeps the slot lookup or the op, the "before"). ``load_ahead``: ``+ahead``
     loads a prefill ubatch's next layer from the RAM tier while the layer computes (load_ahead_min_tokens
-    ``AHEAD_MIN_TOKENS``; needs a RAM tier and the native hot path).
+    ``AHEAD_MIN_TOKENS``; needs a RAM tier and the native hot path). ``layer_windows``: ``+windows`` reads a
+    prefill ubatch's experts from two windows of the pool, the next layer's loaded from the RAM tier meanwhile
+    (layer_windows_min_tokens ``AHEAD_MIN_TOKENS``; needs a RAM tier, filled at start: +preload).
     ``reference``: the run other runs' logits are compared with."""
 
     name: str
@@ -74,6 +76,7 @@ class BenchConfig:
     slot_lookup: bool = True
     whole_pool: bool = True
     load_ahead: bool = False
+    layer_windows: bool = False
 
     def __post_init__(self):
         if self.hybrid != "off" and (self.source == VANILLA or (self.ram_fraction is None and not self.ram_auto)
@@ -96,6 +99,9 @@ class BenchConfig:
                                 or not self.native_hot_path):
             raise ValueError(f"{self.name}: ahead (load-ahead) is a llamapack setting that needs a RAM tier (+ram...) "
                              "and the native hot path (not +pyhot)")
+        if self.layer_windows and (self.source == VANILLA or not self.ram_preload or not self.native_hot_path):
+            raise ValueError(f"{self.name}: windows (layer windows) is a llamapack setting that needs a RAM tier filled "
+                             "at start (+ram...+preload) and the native hot path (not +pyhot)")
         if not self.native_hot_path and self.source == VANILLA:
             raise ValueError(f"{self.name}: pyhot (every step through the Python provider) is a llamapack setting")
         if self.warm_start and (self.source != PACK or self.own_routing or self.cache_policy != "next-use"):
@@ -204,9 +210,9 @@ def default_matrix(n_cores: int, memory_limit_mib: int | None, fractions=(0.25, 
 
 NAME_GRAMMAR = ("vanilla-vram | vanilla | cpu-moe | pack-F% | gguf-direct-F%, then any of +ram, +ramR%, +ramauto, "
                 "+preload, +prefetch, +prefetch-topR, +prefetch-dD, +prefetch-cN, +splitN, +native, +pyreads, +ownrouting, +noverify, "
-                "+lfulru, +lru, +pyhot, +oppath, +nowhole, +ahead, +warm, +hybrid, +hybridauto, +hybridU%, then @NG or @NM")
+                "+lfulru, +lru, +pyhot, +oppath, +nowhole, +ahead, +windows, +warm, +hybrid, +hybridauto, +hybridU%, then @NG or @NM")
 _SUFFIX = re.compile(r"\+(ram(?P<ram>[\d.]+)%|ramauto|ram|prefetch-top(?P<top>\d+)|prefetch-d(?P<depth>\d+)"
-                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|oppath|nowhole|ahead|warm"
+                     r"|prefetch-c(?P<flight>\d+)|prefetch|preload|split(?P<split>\d+)|native|pyreads|ownrouting|noverify|lfulru|lru|pyhot|oppath|nowhole|ahead|windows|warm"
                      r"|hybridauto|hybrid(?P<hshare>[\d.]+)%|hybrid)(?=\+|$)")
 
 
@@ -252,6 +258,8 @@ def parse_config(name: str, n_cores: int) -> BenchConfig:
             fields["whole_pool"] = False
         elif option == "ahead":
             fields["load_ahead"] = True
+        elif option == "windows":
+            fields["layer_windows"] = True
         elif option == "warm":
             fields["warm_start"] = True
         elif option.startswith("hybrid"):

@@ -95,11 +95,13 @@ def hybrid_option(llama_class, config: BenchConfig) -> dict:
 
 def lookup_option(llama_class, config: BenchConfig) -> dict:
     """``slot_lookup_max_tokens=0`` for ``+oppath``, ``whole_pool_graphs`` False for ``+nowhole``,
-    ``load_ahead_min_tokens`` for ``+ahead`` (an error when this Llama lacks the setting); {} otherwise."""
+    ``load_ahead_min_tokens`` for ``+ahead``, ``layer_windows_min_tokens`` for ``+windows`` (an error when this Llama lacks the setting); {} otherwise."""
     wanted = ({} if config.slot_lookup else dict(slot_lookup_max_tokens=0)) | (
         {} if config.whole_pool else dict(whole_pool_graphs=False)) | (
-        dict(load_ahead_min_tokens=AHEAD_MIN_TOKENS) if config.load_ahead else {})
-    option = dict(slot_lookup_max_tokens="+oppath", whole_pool_graphs="+nowhole", load_ahead_min_tokens="+ahead")
+        dict(load_ahead_min_tokens=AHEAD_MIN_TOKENS) if config.load_ahead else {}) | (
+        dict(layer_windows_min_tokens=AHEAD_MIN_TOKENS) if config.layer_windows else {})
+    option = dict(slot_lookup_max_tokens="+oppath", whole_pool_graphs="+nowhole", load_ahead_min_tokens="+ahead",
+                  layer_windows_min_tokens="+windows")
     params = inspect.signature(llama_class.__init__).parameters
     for name in wanted:
         if name not in params:

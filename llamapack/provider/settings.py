@@ -78,6 +78,13 @@ class StreamingSettings:
     every expert. Same kernels and inputs: bit-exact on CPU; on CUDA, round 15's four tiny-arch cases with it on
     were exact (that check does not count whether they loaded ahead). Rounds 15 and 16 measured 2% and 8.5% off
     a 512-token prefill at 25% on H100s (22% of its loads unused).
+    ``layer_windows_min_tokens``: ubatches of at least this many tokens (0: off) read each layer's experts from
+    one of two windows of pool slots, a layer's worth each (expert e in the window's slot e: the matmuls see the
+    model's own tensor shape), while every expert of the next layer is copied from the RAM tier into the other
+    window (llama_expert_layer_windows_set). The first such ubatch takes the windows' slots from the pool (their
+    experts are forgotten); the pool's policy is not changed otherwise. Needs the native hot path, a RAM tier
+    that holds every expert and a pool of at least two layers' experts (else it stays off, with a warning for
+    the pool). Same experts, same bytes: bit-exact.
     """
 
     cache_vram_mib: float | None = None
@@ -109,6 +116,7 @@ class StreamingSettings:
     whole_pool_graphs: bool = True
     pool_preload: bool = True
     load_ahead_min_tokens: int = 0
+    layer_windows_min_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "hybrid", parse_mode(self.hybrid))  # ValueError for a bad mode
@@ -116,7 +124,7 @@ class StreamingSettings:
                      "prefetch_in_flight", "hybrid_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        for name in ("slot_lookup_max_tokens", "load_ahead_min_tokens"):
+        for name in ("slot_lookup_max_tokens", "load_ahead_min_tokens", "layer_windows_min_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         policy_class(self.cache_policy)  # ValueError for an unknown name

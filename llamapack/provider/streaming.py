@@ -163,6 +163,7 @@ class StreamingProvider:
             if self._native_hot:
                 self._start_fast_path()
                 native.set_load_ahead(ctx_ptr, settings.load_ahead_min_tokens)
+                self._start_layer_windows(settings.layer_windows_min_tokens)
             self.hybrid: dict | None = None  # hybrid execution's split and the costs it came from, once on
             if settings.hybrid != "off":
                 self._start_hybrid()
@@ -197,6 +198,21 @@ class StreamingProvider:
             copy_spans=spans if tier else [], first_layer=self._first_layer, h2d=h2d, sync=sync, stream=stream)
         self.counters.external = self._fast_path_counts
         self._fast_has_tier = tier is not None
+
+    def _start_layer_windows(self, min_tokens: int) -> None:
+        """Layer windows (StreamingSettings.layer_windows_min_tokens), where they can work: libllama uses them for
+        a ubatch only once the RAM tier holds every expert (ram_preload fills it at start)."""
+        if min_tokens <= 0:
+            return
+        n_expert = self._reader.layout.num_experts
+        if not (getattr(self, "_fast_has_tier", False) and self.tier.holds_every_key):
+            log.warning("layer windows need a RAM tier that holds every expert (ram_cache_mib): left off")
+            return
+        if self.n_slots < 2 * n_expert:
+            log.warning("layer windows need a pool of %d slots (two layers' experts), this one has %d: left off",
+                        2 * n_expert, self.n_slots)
+            return
+        native.set_layer_windows(self._ctx, min_tokens)
 
     def _start_hybrid(self) -> None:
         """Hybrid execution (StreamingSettings.hybrid, see provider.hybrid): the fast path leaves a share of each
