@@ -37,6 +37,8 @@
 #   and model, CUDA bit-exactness with the slot lookup; then bench with +oppath twins (the CPU remap op)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh whole-pool", ...)  # #24: whole-pool
 #   graphs' CUDA bit-exactness, hybrid's endpoints, the model; then bench with +nowhole twins (round 13's README)
+#   run(command="export OUT; bash bench/device_bench.sh windows-check", ...)  # layer windows' and load-ahead's
+#   CUDA bit-exactness (tiny archs, no model)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 CONFIGS=... UPSTREAM_RUNS=... bash bench/device_bench.sh peer", ...)
 #   # the builds (prebuilt where carried), the model, then bench beside upstream's runs (gpu_round16_README.md)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round15", ...)  # both builds, ours
@@ -215,6 +217,20 @@ whole-pool-check)  # the whole-pool stage's CUDA bit-exactness alone (no model),
         > "$out/cuda_bitexact_whole_pool.log" 2>&1
     tail -3 "$out/cuda_bitexact_whole_pool.log"
     ;;
+windows-check)  # layer windows' and load-ahead's CUDA bit-exactness (a RAM tier that holds every expert, filled at
+               # start; a pool of 3 layers' experts; n_ubatch 7 and 512), no model; each case logged as it ends
+    build_cuda
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_windows.json" --provider streaming --sources pack --ubatch 7 512 \
+        --archs qwen3moe-tiny mixtral-tiny gpt-oss-tiny deepseek2-tiny --ram-cache-mib 256 --ram-preload \
+        --layer-windows 2 --pool-layers 3 > "$out/cuda_bitexact_windows.log" 2>&1
+    tail -2 "$out/cuda_bitexact_windows.log"
+    python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
+        --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack --ubatch 7 512 \
+        --archs qwen3moe-tiny mixtral-tiny gpt-oss-tiny deepseek2-tiny --ram-cache-mib 256 --load-ahead 2 \
+        > "$out/cuda_bitexact_load_ahead.log" 2>&1
+    tail -2 "$out/cuda_bitexact_load_ahead.log"
+    ;;
 round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.tar.xz) and upstream b11549's side by
          # side, whole-pool graphs' CUDA bit-exactness (leaf views), load-ahead's (a RAM tier, n_ubatch 7 and 512),
          # the Qwen3-30B model; BENCH=1: then the bench (its variables as for bench) in the same call. Builds made
@@ -240,7 +256,7 @@ round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.t
     tail -2 "$out/cuda_bitexact_whole_pool.log"
     [ -n "${SKIP_LOAD_AHEAD:-}" ] || python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" \
         --patched-lib "$build/patched" --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack \
-        --ubatch 7 512 --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 24 --load-ahead 2 \
+        --ubatch 7 512 --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 256 --load-ahead 2 \
         > "$out/cuda_bitexact_load_ahead.log" 2>&1
     [ -n "${SKIP_LOAD_AHEAD:-}" ] || tail -2 "$out/cuda_bitexact_load_ahead.log"
     wait_for_model; wait; [ -n "${SKIP_UPSTREAM:-}" ] || tail -2 "$out/upstream_build.out"
