@@ -256,7 +256,7 @@ round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.t
     tail -2 "$out/cuda_bitexact_whole_pool.log"
     [ -n "${SKIP_LOAD_AHEAD:-}" ] || python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" \
         --patched-lib "$build/patched" --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack \
-        --ubatch 7 512 --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 256 --load-ahead 2 \
+        --ubatch 7 512 --archs qwen3moe-tiny mixtral-tiny --ram-cache-mib 24 --load-ahead 2 \
         > "$out/cuda_bitexact_load_ahead.log" 2>&1
     [ -n "${SKIP_LOAD_AHEAD:-}" ] || tail -2 "$out/cuda_bitexact_load_ahead.log"
     wait_for_model; wait; [ -n "${SKIP_UPSTREAM:-}" ] || tail -2 "$out/upstream_build.out"
