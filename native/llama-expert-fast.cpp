@@ -257,11 +257,12 @@ bool llama_expert_fast_path::load_ahead(int32_t layer, const int32_t * ids, int3
     if (n_loads == 0) {
         return true;
     }
-    // the copies start later (start_copies_behind): when the scheduler has copied this layer's slot ids into
-    // its GPU split (a small copy that would otherwise queue behind them), else at the next step
+    // the copies start later (start_copies_behind): once the GPU split that reads this layer's slot ids is
+    // launched (the hook's copy callback), else at the next step
     if (copy_loads(next_layer, 0, /*n_now =*/ 0, /*wait =*/ false, error) != SERVED) {
         return false; // copy_loads abandoned the loads
     }
+    behind_ahead = true;
     ahead_layer = next_layer;
     ahead_loaded.assign(n_expert_next, 0);
     for (int32_t i = 0; i < n_loads; ++i) {
@@ -354,6 +355,7 @@ bool llama_expert_fast_path::window_load_ahead(int32_t layer, int32_t n_expert, 
     if (copy_loads(layer, 0, /*n_now =*/ 0, /*wait =*/ false, error) != SERVED) {
         return false;
     }
+    behind_ahead = true;
     window_layer[window] = layer;
     counts.ahead_loads += n_expert;
     return true;
@@ -518,6 +520,7 @@ bool llama_expert_fast_path::start_copies_behind(std::string & error) {
     }
     const int32_t layer = behind_layer;
     behind_layer = -1;
+    behind_ahead = false;
     const auto started = std::chrono::steady_clock::now();
     for (int32_t i = behind_from; i < (int32_t) load_slots.size(); ++i) {
         if (!copy_load(i, error)) {

@@ -44,7 +44,7 @@ public:
     // slots the pool's policy gave them) or load-ahead's; serve() waits for them before the next step (and
     // starts them first if nobody did). Nothing to do: true. False with error set on failure.
     bool start_copies_behind(std::string & error);
-    bool has_copies_behind() const { return behind_layer >= 0; }
+    bool has_copies_ahead() const { return behind_layer >= 0 && behind_ahead; } // load-ahead's or a window's
 
     // layer windows (llama_expert_layer_windows_set): window w is pool slots [w * n_window, w * n_window + n_expert),
     // expert e of its layer in slot w * n_window + e, the view its matmuls read. The first window step after any
@@ -110,6 +110,7 @@ private:
     bool                  copies_pending = false;
     std::vector<int32_t>  pending_loads;  // keys [n][2] whose copies are still running
     int32_t               behind_layer = -1, behind_from = 0; // loads [behind_from, n) of behind_layer: copies behind
+    bool                  behind_ahead = false; // those copies are load-ahead's or a window's (not hybrid's)
     int32_t               ahead_layer = -1;  // load-ahead: the layer whose experts ahead_loaded flags
     std::vector<uint8_t>  ahead_loaded;      // per expert of ahead_layer: loaded ahead, not yet asked for
     std::vector<int32_t>  ahead_keys, ahead_pins;

@@ -502,25 +502,27 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
 
 static const char * k_slot_ids = "llamapack_slot_ids-"; // + the layer: a remap op's output
 
-// Load-ahead: the copy of a remap op's slot ids into the GPU split that reads them is made here, and completed,
-// before the copies load-ahead left behind start. Made after them, by the scheduler, it would wait behind them
-// (one copy engine serves host-to-device copies in the order they came, whatever their stream), and the layer's
-// matmuls with it. False: not such a copy, or nothing left behind (the scheduler copies as usual).
-static bool copy_slot_ids_then_load_ahead(llama_expert_hook * hook, const ggml_tensor * src, ggml_tensor * dst) {
-    if (!hook->fast || !hook->fast->has_copies_behind() || strncmp(src->name, k_slot_ids, strlen(k_slot_ids)) != 0) {
+// Load-ahead and layer windows: the copies an op planned for the next layer start at the first copy the scheduler
+// makes into a CPU split after that op: by then the GPU split that reads this layer's slot ids has been launched
+// (its matmuls run while the copies are issued and made) and its input, the slot ids, has been copied. Started in
+// the op, they would keep the GPU idle while they are issued and could delay that small copy (one copy engine may
+// take host-to-device copies in the order they came, whatever their stream). Nothing done: the next step starts
+// them. Never makes the copy itself (false: the scheduler copies as usual).
+static bool start_copies_while_gpu_computes(llama_expert_hook * hook, ggml_backend_t backend) {
+    if (!hook->fast || !hook->fast->has_copies_ahead() ||
+            ggml_backend_dev_type(ggml_backend_get_device(backend)) != GGML_BACKEND_DEVICE_TYPE_CPU) {
         return false;
     }
-    ggml_backend_tensor_copy(const_cast<ggml_tensor *>(src), dst); // synchronous: the copy engine is idle now
     if (!hook->failed.load() && !hook->fast->start_copies_behind(fast_error(hook))) {
-        hook->set_error(hook->fast_error); // the next step refuses nothing: the decode reports the failure
+        hook->set_error(hook->fast_error); // the decode reports it; the next step starts nothing more
         hook->failed = true;
     }
-    return true;
+    return false;
 }
 
 // The scheduler's copy callback: the copy of a slot map into its split runs the step (lookup_step) and copies the
-// map asynchronously (the next write to this map comes after a later synchronize); the copy of slot ids with
-// load-ahead's copies behind them: copy_slot_ids_then_load_ahead. Other inputs: not ours.
+// map asynchronously (the next write to this map comes after a later synchronize). Every other copy: not ours,
+// but the first into a CPU split starts the copies load-ahead or a layer window left (start_copies_while_gpu_computes).
 static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, ggml_cgraph * graph,
                         void * user_data) {
     llama_expert_hook * hook = ((llama_context *) user_data)->expert_hook.get();
@@ -529,7 +531,7 @@ static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_te
     }
     const auto it = hook->binding_of_map.find(src);
     if (it == hook->binding_of_map.end()) {
-        return copy_slot_ids_then_load_ahead(hook, src, dst);
+        return start_copies_while_gpu_computes(hook, backend);
     }
     llama_expert_layer_binding * b = it->second;
     auto * map = (int32_t *) src->data;
@@ -599,7 +601,7 @@ static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_bind
 
 // CPU custom op (layer windows): the layer's experts are in its window (loaded ahead, else copied now), so the
 // slot ids are the expert ids; then the next served layer's experts start loading into the other window (the
-// copies left behind until this layer's ids are on the GPU: copy_slot_ids_then_load_ahead).
+// copies left behind until the GPU computes this layer: start_copies_while_gpu_computes).
 static void window_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
@@ -907,7 +909,7 @@ llama_expert_remap llama_expert_remap_build(
         ggml_format_name(remap.ids, "%s%d-window", k_slot_ids, binding->layer);
         remap.window = 1 + binding->position % 2;
         if (sched != nullptr) {
-            ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx); // copy_slot_ids_then_load_ahead
+            ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx); // start_copies_while_gpu_computes
         }
         return remap;
     }
@@ -927,7 +929,7 @@ llama_expert_remap llama_expert_remap_build(
     remap.ids  = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, glu >= 0 ? 2 : 1, 1, args, n_args, remap_op, 1, binding);
     ggml_format_name(remap.ids, "%s%d", k_slot_ids, binding->layer);
     if (sched != nullptr && hook->load_ahead_min_tokens > 0) {
-        ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx); // copy_slot_ids_then_load_ahead
+        ggml_backend_sched_set_copy_callback(sched, lookup_copy, hook->ctx); // start_copies_while_gpu_computes
     }
     if (glu >= 0) {
         hook->cpu_layers.at(binding->layer).glu = glu;
