@@ -66,11 +66,12 @@ model="$work/${MODEL_NAME:-q30b-skew1}.gguf"
 
 # the model (router skew $1) and its pack, written in the background; wait_for_model waits and shows the log
 start_model() {
+    if [ -f "$model" ] && grep -qs "synth+pack rc 0" "$out/synth.log"; then synth=; return; fi  # an earlier stage's
     (lp synth qwen3moe-30b-a3b -o "$model" --router-skew "$1" > "$out/synth.log" 2>&1 \
         && lp pack "$model" -q >> "$out/synth.log" 2>&1; echo "synth+pack rc $?" >> "$out/synth.log") &
     synth=$!
 }
-wait_for_model() { wait "$synth"; tail -3 "$out/synth.log"; }
+wait_for_model() { [ -z "$synth" ] || wait "$synth"; tail -3 "$out/synth.log"; }
 build_cuda() {  # a failed build ends the stage (nothing after it could run)
     LLAMAPACK_CMAKE_ARGS="-DGGML_CUDA_FA=OFF" bash bench/device_cuda.sh build || { grep -m5 error "$out/build.log"; exit 1; }
     tail -3 "$out/machine.txt"
@@ -218,7 +219,9 @@ whole-pool-check)  # the whole-pool stage's CUDA bit-exactness alone (no model),
     tail -3 "$out/cuda_bitexact_whole_pool.log"
     ;;
 windows-check)  # layer windows' and load-ahead's CUDA bit-exactness (a RAM tier that holds every expert, filled at
-               # start; a pool of 3 layers' experts; n_ubatch 7 and 512), no model; each case logged as it ends
+               # start; a pool of 3 layers' experts; n_ubatch 7 and 512); each case logged as it ends. MODEL=1: the
+               # model written meanwhile (a later stage in the same call finds it)
+    [ -z "${MODEL:-}" ] || start_model "${SKEW:-0}"
     build_cuda
     python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_bitexact_windows.json" --provider streaming --sources pack --ubatch 7 512 \
@@ -230,6 +233,7 @@ windows-check)  # layer windows' and load-ahead's CUDA bit-exactness (a RAM tier
         --archs qwen3moe-tiny mixtral-tiny gpt-oss-tiny deepseek2-tiny --ram-cache-mib 256 --load-ahead 2 \
         > "$out/cuda_bitexact_load_ahead.log" 2>&1
     tail -2 "$out/cuda_bitexact_load_ahead.log"
+    [ -z "${MODEL:-}" ] || wait_for_model
     ;;
 round15)  # #24 and load-ahead: our builds (or the prebuilt .devtree/cuda-libs.tar.xz) and upstream b11549's side by
          # side, whole-pool graphs' CUDA bit-exactness (leaf views), load-ahead's (a RAM tier, n_ubatch 7 and 512),
