@@ -619,6 +619,11 @@ static void window_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         hook->failed = true;
         return;
     }
+    if (!hook->fast) { // the fast path was cleared after this graph was built
+        hook->set_error("layer " + std::to_string(b->layer) + ": a layer window needs the native hot path");
+        hook->failed = true;
+        return;
+    }
     const int32_t window = b->position % 2;
     if (!hook->fast->window_step(b->layer, b->n_expert, window, hook->n_window, hook->scratch_ids.data(), (int32_t) n,
                                  n_tokens, fast_error(hook)) ||
