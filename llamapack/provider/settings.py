@@ -84,7 +84,8 @@ class StreamingSettings:
     window (llama_expert_layer_windows_set). The first such ubatch takes the windows' slots from the pool (their
     experts are forgotten); the pool's policy is not changed otherwise. Needs the native hot path, a RAM tier
     that holds every expert and a pool of at least two layers' experts (else it stays off, with a warning for
-    the pool). Same experts, same bytes: bit-exact.
+    the pool). Same experts, same bytes: bit-exact on CPU (tests/test_host_tier.py); not yet run on CUDA, and its
+    speed not yet measured.
     """
 
     cache_vram_mib: float | None = None
