@@ -597,6 +597,21 @@ static int32_t split_glu(llama_expert_hook * hook, const llama_expert_layer_bind
     return ffn_op == LLM_FFN_GELU ? GGML_GLU_OP_GEGLU : -1;
 }
 
+// slots [first_slot, first_slot + n_slots) of a pool tensor, as a leaf placed in the pool buffer by hand, not by
+// ggml_backend_tensor_alloc: its init_tensor takes the view for a tensor of its own, and CUDA's zeroes the row
+// padding past a quantized tensor's end, which here is the first bytes of the slot after the range (another
+// layer's expert: gpt-oss-tiny differed on CUDA in round 15)
+static ggml_tensor * place_pool_view(llama_expert_hook * hook, ggml_context * ctx, const ggml_tensor * pool,
+                                     int32_t first_slot, int32_t n_slots) {
+    ggml_tensor * view = ggml_new_tensor_3d(ctx, pool->type, pool->ne[0], pool->ne[1], n_slots);
+    view->nb[1]  = pool->nb[1];
+    view->nb[2]  = pool->nb[2];
+    view->nb[3]  = pool->nb[2] * n_slots;
+    view->buffer = hook->pool_buf.get();
+    view->data   = (char *) pool->data + (size_t) first_slot * pool->nb[2];
+    return view;
+}
+
 // --- layer windows -----------------------------------------------------------------------------------------
 
 // CPU custom op (layer windows): the layer's experts are in its window (loaded ahead, else copied now), so the
@@ -656,13 +671,8 @@ static void make_window_views(llama_expert_hook * hook) {
         hook->window_view[w].clear();
         for (const auto & [weight, pool] : hook->pool_tensor) {
             const llama_expert_layer_binding * b = hook->binding_of.at(weight);
-            ggml_tensor * view = ggml_new_tensor_3d(views.get(), pool->type, pool->ne[0], pool->ne[1], b->n_expert);
-            view->nb[1] = pool->nb[1];
-            view->nb[2] = pool->nb[2];
-            view->nb[3] = pool->nb[2] * b->n_expert;
+            ggml_tensor * view = place_pool_view(hook, views.get(), pool, w * hook->n_window, b->n_expert);
             ggml_format_name(view, "%s-window-%d", pool->name, w);
-            view->buffer = hook->pool_buf.get();
-            view->data   = (char *) pool->data + (size_t) w * hook->n_window * pool->nb[2];
             hook->window_view[w][weight] = view;
         }
     }
@@ -738,16 +748,8 @@ static void make_slot_views(llama_expert_hook * hook) {
     std::unordered_map<const ggml_tensor *, ggml_tensor *> slot_view;
     for (const auto & [weight, pool] : hook->pool_tensor) {
         const llama_expert_layer_binding * b = hook->binding_of.at(weight);
-        ggml_tensor * view = ggml_new_tensor_3d(views.get(), pool->type, pool->ne[0], pool->ne[1], b->n_slots);
-        view->nb[1] = pool->nb[1];
-        view->nb[2] = pool->nb[2];
-        view->nb[3] = pool->nb[2] * b->n_slots;
+        ggml_tensor * view = place_pool_view(hook, views.get(), pool, b->first_slot, b->n_slots);
         ggml_format_name(view, "%s-slots-%d+%d", pool->name, b->first_slot, b->n_slots);
-        // placed by hand, not by ggml_backend_tensor_alloc: its init_tensor takes the view for a tensor of its own,
-        // and CUDA's zeroes the row padding past a quantized tensor's end, which here is the first bytes of the
-        // slot after the layer's range (another layer's expert: gpt-oss-tiny differed on CUDA in round 15)
-        view->buffer = hook->pool_buf.get();
-        view->data   = (char *) pool->data + (size_t) b->first_slot * pool->nb[2];
         slot_view[weight] = view;
     }
     hook->old_slot_views_ctx = std::move(hook->slot_views_ctx);
