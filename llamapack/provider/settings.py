@@ -77,7 +77,8 @@ class StreamingSettings:
     while this layer computes (llama_expert_load_ahead_set); needs the native hot path and a RAM tier that holds
     every expert. Same kernels and inputs: bit-exact on CPU; on CUDA, round 15's four tiny-arch cases with it on
     were exact (that check does not count whether they loaded ahead). Rounds 15 and 16 measured 2% and 8.5% off
-    a 512-token prefill at 25% on H100s (22% of its loads unused).
+    a 512-token prefill at 25% on H100s (22% of its loads unused). Since API 12 its copies are issued once the
+    layer's GPU work is launched (the copy callback): that timing has not yet run on CUDA.
     ``layer_windows_min_tokens``: ubatches of at least this many tokens (0: off) read each layer's experts from
     one of two windows of pool slots, a layer's worth each (expert e in the window's slot e: the matmuls see the
     model's own tensor shape), while every expert of the next layer is copied from the RAM tier into the other
