@@ -60,6 +60,8 @@ class ProviderCounters:
     cpu_s: float = 0.0     # hybrid: seconds computing them (the copies of the step's other misses overlap it)
     ahead_loads: int = 0   # load-ahead: misses copied in while the layer before computed (in cache_misses too) ...
     ahead_unused: int = 0  # ... and the experts loaded ahead that their step did not ask for
+    ahead_early: int = 0   # ... and those whose copies started while the GPU computed the layer before (the
+    ahead_early_s: float = 0.0  # scheduler's copy callback), and the seconds issuing them (in copy_wait_s)
 
     @property
     def lookups(self) -> int:

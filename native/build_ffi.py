@@ -122,6 +122,8 @@ struct llama_expert_fast_path_stats {
     double   cpu_s;
     int64_t  ahead_loads;
     int64_t  ahead_unused;
+    int64_t  ahead_early;
+    double   ahead_early_s;
 };
 int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool whole_pool);
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);

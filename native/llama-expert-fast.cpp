@@ -514,11 +514,12 @@ bool llama_expert_fast_path::copy_load(int32_t i, std::string & error) {
     return true;
 }
 
-bool llama_expert_fast_path::start_copies_behind(std::string & error) {
+bool llama_expert_fast_path::start_copies_behind(std::string & error, bool early) {
     if (behind_layer < 0) {
         return true;
     }
     const int32_t layer = behind_layer;
+    early = early && behind_ahead;
     behind_layer = -1;
     behind_ahead = false;
     const auto started = std::chrono::steady_clock::now();
@@ -530,7 +531,12 @@ bool llama_expert_fast_path::start_copies_behind(std::string & error) {
             return false;
         }
     }
-    counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
+    const double issued_s = seconds_between(started, std::chrono::steady_clock::now());
+    counts.copy_s += issued_s;
+    if (early) {
+        counts.ahead_early   += (int64_t) load_slots.size() - behind_from;
+        counts.ahead_early_s += issued_s;
+    }
     copies_pending = sync != nullptr; // serve() waits for them before the next step
     return true;
 }

@@ -42,8 +42,9 @@ public:
 
     // start the copies left behind: hybrid with fill_pool's (the experts this step computed on the CPU, into the
     // slots the pool's policy gave them) or load-ahead's; serve() waits for them before the next step (and
-    // starts them first if nobody did). Nothing to do: true. False with error set on failure.
-    bool start_copies_behind(std::string & error);
+    // starts them first if nobody did). Nothing to do: true. False with error set on failure. early: called by
+    // the scheduler's copy callback while the GPU computes (counted in ahead_early for the loads ahead).
+    bool start_copies_behind(std::string & error, bool early = false);
     bool has_copies_ahead() const { return behind_layer >= 0 && behind_ahead; } // load-ahead's or a window's
 
     // layer windows (llama_expert_layer_windows_set): window w is pool slots [w * n_window, w * n_window + n_expert),

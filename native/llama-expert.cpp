@@ -19,11 +19,14 @@
 #include <climits>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
+
+#include <unistd.h> // getpid (LLAMAPACK_COPY_TRACE)
 
 static std::atomic<bool> g_lazy_load{false};
 
@@ -502,21 +505,46 @@ static bool lookup_step(llama_expert_hook * hook, llama_expert_layer_binding * b
 
 static const char * k_slot_ids = "llamapack_slot_ids-"; // + the layer: a remap op's output
 
+// LLAMAPACK_COPY_TRACE=<file> (a diagnostic, bench/copy_timeline.py): the prefill's copy timeline, one line per event
+// appended to the file, "pid microseconds event layer value tensor": the scheduler's copies into a split (value 1:
+// a CPU split), the copies started there (early_issued: how many), and each window op's start, end of its wait
+// for its window's copies, and end. Unset: one test of a pointer per event.
+static FILE * copy_trace_file() {
+    static FILE * file = [] {
+        const char * path = getenv("LLAMAPACK_COPY_TRACE");
+        return path != nullptr && *path != '\0' ? fopen(path, "a") : nullptr;
+    }();
+    return file;
+}
+
+static void copy_trace(const char * event, int32_t layer, int64_t value, const char * tensor = "-") {
+    if (FILE * file = copy_trace_file()) {
+        const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+            std::chrono::steady_clock::now().time_since_epoch()).count();
+        fprintf(file, "%d %lld %s %d %lld %s\n", (int) getpid(), (long long) us, event, layer, (long long) value,
+                *tensor != '\0' ? tensor : "-");
+        fflush(file);
+    }
+}
+
 // Load-ahead and layer windows: the copies an op planned for the next layer start at the first copy the scheduler
 // makes into a CPU split after that op: by then the GPU split that reads this layer's slot ids has been launched
 // (its matmuls run while the copies are issued and made) and its input, the slot ids, has been copied. Started in
 // the op, they would keep the GPU idle while they are issued and could delay that small copy (one copy engine may
 // take host-to-device copies in the order they came, whatever their stream). Nothing done: the next step starts
 // them. Never makes the copy itself (false: the scheduler copies as usual).
-static bool start_copies_while_gpu_computes(llama_expert_hook * hook, ggml_backend_t backend) {
-    if (!hook->fast || !hook->fast->has_copies_ahead() ||
-            ggml_backend_dev_type(ggml_backend_get_device(backend)) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+static bool start_copies_while_gpu_computes(llama_expert_hook * hook, ggml_backend_t backend, const ggml_tensor * dst) {
+    const bool into_cpu = ggml_backend_dev_type(ggml_backend_get_device(backend)) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    copy_trace("copy_into_split", -1, into_cpu, dst->name);
+    if (!hook->fast || !hook->fast->has_copies_ahead() || !into_cpu) {
         return false;
     }
-    if (!hook->failed.load() && !hook->fast->start_copies_behind(fast_error(hook))) {
+    const int64_t early_before = hook->fast->stats().ahead_early;
+    if (!hook->failed.load() && !hook->fast->start_copies_behind(fast_error(hook), /*early =*/ true)) {
         hook->set_error(hook->fast_error); // the decode reports it; the next step starts nothing more
         hook->failed = true;
     }
+    copy_trace("early_issued", -1, hook->fast->stats().ahead_early - early_before);
     return false;
 }
 
@@ -531,7 +559,7 @@ static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_te
     }
     const auto it = hook->binding_of_map.find(src);
     if (it == hook->binding_of_map.end()) {
-        return start_copies_while_gpu_computes(hook, backend);
+        return start_copies_while_gpu_computes(hook, backend, dst);
     }
     llama_expert_layer_binding * b = it->second;
     auto * map = (int32_t *) src->data;
@@ -640,6 +668,7 @@ static void window_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         return;
     }
     const int32_t window = b->position % 2;
+    copy_trace("window_op", b->layer, n_tokens);
     if (!hook->fast->window_step(b->layer, b->n_expert, window, hook->n_window, hook->scratch_ids.data(), (int32_t) n,
                                  n_tokens, fast_error(hook)) ||
             (b->next != nullptr && !hook->fast->window_load_ahead(b->next->layer, b->next->n_expert, 1 - window,
@@ -648,6 +677,7 @@ static void window_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         hook->failed = true;
         return;
     }
+    copy_trace("window_op_end", b->layer, hook->fast->stats().ahead_loads);
     std::copy(hook->scratch_ids.begin(), hook->scratch_ids.begin() + n, out);
 }
 

@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 12
+#define LLAMA_EXPERT_API_VERSION 13
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -246,6 +246,9 @@ struct llama_expert_fast_path_stats {
     double   cpu_s;       // hybrid: wall time computing them
     int64_t  ahead_loads;  // load-ahead (API 11): experts copied in before their step (counted as that step's misses)
     int64_t  ahead_unused; // of those, the ones their step did not ask for
+    int64_t  ahead_early;  // (API 13) of those, the ones whose copies the scheduler's copy callback started, while
+                           // the GPU computed the layer before (the others: started by their own step)
+    double   ahead_early_s; // issuing those copies (inside copy_s)
 };
 
 // desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).

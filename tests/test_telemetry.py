@@ -108,7 +108,8 @@ def test_json_has_every_counter_and_the_derived_numbers():
                          "ram_hits", "ram_misses", "ram_evictions", "lookahead_s", "lookahead_keys", "lookahead_hits",
                          "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes",
                          "prefetch_cancelled", "ram_preloaded", "ram_preload_bytes", "native_steps",
-                         "cpu_experts", "cpu_s", "ahead_loads", "ahead_unused", "pool_preloaded", "hit_rate", "read_bytes_per_token",
+                         "cpu_experts", "cpu_s", "ahead_loads", "ahead_unused", "ahead_early", "ahead_early_s",
+                         "pool_preloaded", "hit_rate", "read_bytes_per_token",
                          "h2d_bytes_per_token", "lookahead_accuracy"}
 
 

@@ -121,7 +121,8 @@ COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_by
                   "copy_wait_s", "provide_s", "ram_hits", "ram_misses", "lookahead_keys", "lookahead_hits",
                   "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
                   "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s",
-                  "cpu_experts", "cpu_s", "lookup_steps", "whole_pool_steps", "ahead_loads", "ahead_unused")
+                  "cpu_experts", "cpu_s", "lookup_steps", "whole_pool_steps", "ahead_loads", "ahead_unused",
+                  "ahead_early", "ahead_early_s")
 
 
 def delta(after: dict, before: dict) -> dict:
