@@ -5,9 +5,11 @@ Run a bench (or anything) with LLAMAPACK_COPY_TRACE=<file> set for a +windows co
 Per served layer L+1 of each traced window prefill (the window ops of at least --min-tokens tokens), from the
 scheduler thread's timestamps:
   launch_ms  the scheduler's copy into the GPU split after op L, to its first copy into op L+1's CPU split: the
-             time launching the GPU split took (near 0 if launching is asynchronous);
-  issue_ms   issuing layer L+1's copies there (the copy callback);
-  sync_ms    from then to op L+1's start: the scheduler waiting for the GPU split (its result is op L+1's input);
+             time launching the GPU split took (near 0 if launching is asynchronous; with
+             LLAMAPACK_COPY_START=gpu-input it includes issue_ms);
+  issue_ms   issuing layer L+1's copies (in the copy callback, at either of those copies);
+  sync_ms    from the later of those to op L+1's start: the scheduler waiting for the GPU split (its result is op
+             L+1's input);
   wait_ms    op L+1 waiting for its window's copies.
 The copies overlap the GPU when sync_ms is large and wait_ms small. Prints JSON: medians and sums per prefill.
 """
@@ -49,22 +51,24 @@ def prefills(events: list, min_tokens: int) -> list[list]:
 
 def layer_intervals(run: list) -> list[dict]:
     """One row per op after the first: launch, issue, sync and wait (ms) as the module docstring says."""
-    rows, op_end, gpu_in, cpu_in, issued, op_start = [], None, None, None, None, None
+    rows, op_end = [], None
+    gpu_in = cpu_in = issued = issue_ms = op_start = last_copy = None
     for us, name, layer, value in run:
         if name == "window_op_end":
-            if op_start is not None and gpu_in is not None and cpu_in is not None and issued is not None:
-                rows.append(dict(layer=layer, launch_ms=(cpu_in - gpu_in) / 1e3, issue_ms=(issued - cpu_in) / 1e3,
-                                 sync_ms=(op_start - issued) / 1e3, wait_ms=(us - op_start) / 1e3))
-            op_end, gpu_in, cpu_in, issued, op_start = us, None, None, None, None
+            if None not in (op_start, gpu_in, cpu_in, issued):
+                rows.append(dict(layer=layer, launch_ms=(cpu_in - gpu_in) / 1e3, issue_ms=issue_ms / 1e3,
+                                 sync_ms=(op_start - max(cpu_in, issued)) / 1e3, wait_ms=(us - op_start) / 1e3))
+            op_end = us
+            gpu_in = cpu_in = issued = issue_ms = op_start = last_copy = None
         elif name == "window_op":
             op_start = us
         elif name == "copy_into_split" and op_end is not None:
             if value == 0 and cpu_in is None:
-                gpu_in = us  # the last copy into the GPU split before it was launched
+                gpu_in = last_copy = us  # the last copy into the GPU split before it was launched
             elif value == 1 and gpu_in is not None and cpu_in is None:
-                cpu_in = us
-        elif name == "early_issued" and cpu_in is not None and issued is None and value > 0:
-            issued = us
+                cpu_in = last_copy = us
+        elif name == "early_issued" and last_copy is not None and issued is None and value > 0:
+            issued, issue_ms = us, us - last_copy
     return rows
 
 

@@ -48,3 +48,13 @@ def test_an_op_without_copies_started_early_has_no_row(tmp_path):
     (tmp_path / "t.txt").write_text("\n".join(lines) + "\n")
     run, = copy_timeline.prefills(copy_timeline.parse(str(tmp_path / "t.txt"))[1], 512)
     assert copy_timeline.layer_intervals(run) == []
+
+
+def test_copies_started_at_the_gpu_input_count_their_issue_in_the_launch(tmp_path):
+    lines = ["1 0 window_op 0 512 -", "1 100 window_op_end 0 128 -", "1 110 copy_into_split -1 0 ids",
+             "1 910 early_issued -1 128 -", "1 1000 copy_into_split -1 1 argsort", "1 6000 window_op 1 512 -",
+             "1 7000 window_op_end 1 256 -"]
+    (tmp_path / "t.txt").write_text("\n".join(lines) + "\n")
+    run, = copy_timeline.prefills(copy_timeline.parse(str(tmp_path / "t.txt"))[1], 512)
+    row, = copy_timeline.layer_intervals(run)
+    assert row == dict(layer=1, launch_ms=0.89, issue_ms=0.8, sync_ms=5.0, wait_ms=1.0)
