@@ -532,31 +532,13 @@ static void copy_trace(const char * event, int32_t layer, int64_t value, const c
 // (its matmuls run while the copies are issued and made) and its input, the slot ids, has been copied. Started in
 // the op, they would keep the GPU idle while they are issued and could delay that small copy (one copy engine may
 // take host-to-device copies in the order they came, whatever their stream). Nothing done: the next step starts
-// them. LLAMAPACK_COPY_START=gpu-input (an experiment, not yet measured): they start right after the scheduler's
-// copy of the op's slot ids into the GPU split, made here, before that split is launched.
-static bool copies_start_at_gpu_input() {
-    static const bool at_gpu_input = [] {
-        const char * mode = getenv("LLAMAPACK_COPY_START");
-        return mode != nullptr && strcmp(mode, "gpu-input") == 0;
-    }();
-    return at_gpu_input;
-}
-
-// true when it made the copy of src into dst itself
-static bool start_copies_while_gpu_computes(llama_expert_hook * hook, ggml_backend_t backend, const ggml_tensor * src,
-                                            ggml_tensor * dst) {
+// them. Never makes the copy itself (false: the scheduler copies as usual). Round 18 (H100) measured starting them
+// right after the slot ids' copy into the GPU split instead: no faster (bench/results/gpu_round18_README.md).
+static bool start_copies_while_gpu_computes(llama_expert_hook * hook, ggml_backend_t backend, const ggml_tensor * dst) {
     const bool into_cpu = ggml_backend_dev_type(ggml_backend_get_device(backend)) == GGML_BACKEND_DEVICE_TYPE_CPU;
     copy_trace("copy_into_split", -1, into_cpu, dst->name);
-    if (!hook->fast || !hook->fast->has_copies_ahead()) {
+    if (!hook->fast || !hook->fast->has_copies_ahead() || !into_cpu) {
         return false;
-    }
-    const bool op_ids_into_gpu = !into_cpu && copies_start_at_gpu_input() &&
-                                 strncmp(src->name, k_slot_ids, strlen(k_slot_ids)) == 0;
-    if (!into_cpu && !op_ids_into_gpu) {
-        return false;
-    }
-    if (op_ids_into_gpu) {
-        ggml_backend_tensor_set(dst, src->data, 0, ggml_nbytes(src)); // as the scheduler copies a CPU tensor
     }
     const int64_t early_before = hook->fast->stats().ahead_early;
     if (!hook->failed.load() && !hook->fast->start_copies_behind(fast_error(hook), /*early =*/ true)) {
@@ -564,7 +546,7 @@ static bool start_copies_while_gpu_computes(llama_expert_hook * hook, ggml_backe
         hook->failed = true;
     }
     copy_trace("early_issued", -1, hook->fast->stats().ahead_early - early_before);
-    return op_ids_into_gpu;
+    return false;
 }
 
 // The scheduler's copy callback: the copy of a slot map into its split runs the step (lookup_step) and copies the
@@ -578,7 +560,7 @@ static bool lookup_copy(ggml_backend_t backend, const ggml_tensor * src, ggml_te
     }
     const auto it = hook->binding_of_map.find(src);
     if (it == hook->binding_of_map.end()) {
-        return start_copies_while_gpu_computes(hook, backend, src, dst);
+        return start_copies_while_gpu_computes(hook, backend, dst);
     }
     llama_expert_layer_binding * b = it->second;
     auto * map = (int32_t *) src->data;
