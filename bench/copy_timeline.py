@@ -5,8 +5,8 @@ Run a bench (or anything) with LLAMAPACK_COPY_TRACE=<file> set for a +windows co
 Per served layer L+1 of each traced window prefill (the window ops of at least --min-tokens tokens), from the
 scheduler thread's timestamps:
   launch_ms  the scheduler's copy into the GPU split after op L, to its first copy into op L+1's CPU split: the
-             time launching the GPU split took (near 0 if launching is asynchronous; with
-             LLAMAPACK_COPY_START=gpu-input it includes issue_ms);
+             time launching the GPU split took (near 0 if launching is asynchronous; where the copies start at
+             the first of those copies, as round 18's experiment had them, it includes issue_ms);
   issue_ms   issuing layer L+1's copies (in the copy callback, at either of those copies);
   sync_ms    from the later of those to op L+1's start: the scheduler waiting for the GPU split (its result is op
              L+1's input);

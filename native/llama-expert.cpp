@@ -61,6 +61,9 @@ struct llama_expert_layer_binding {
     std::vector<llama_expert_lookahead_target> ahead;
     int32_t position = 0; // among the served layers, ascending (a replayed trace's layer index)
     llama_expert_layer_binding * next = nullptr; // the next served layer (load-ahead)
+    // layer windows: whether the next served layer took a window where this one did, in the last graph built with
+    // this layer's window (not where only the output rows reach the last layer); false: nothing loaded ahead for it
+    bool window_next = true;
     // slot lookup (GPU pools): this layer's slot map, I32 [1, n_expert] in host memory, and the step's n_used
     ggml_tensor *        slot_map = nullptr;
     int32_t              n_used   = 0;
@@ -138,6 +141,7 @@ struct llama_expert_hook {
     int32_t                  window_min_tokens = 0;
     int32_t                  n_window = 0;
     int32_t                  n_window_keys = 0; // the served layers' experts: the RAM tier must hold them all
+    llama_expert_layer_binding * window_built_last = nullptr; // graph build: the layer before, if it took a window
     ggml_context_ptr         window_ctx;
     std::unordered_map<const ggml_tensor *, ggml_tensor *> window_view[2];
 
@@ -672,8 +676,9 @@ static void window_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     copy_trace("window_op", b->layer, n_tokens);
     if (!hook->fast->window_step(b->layer, b->n_expert, window, hook->n_window, hook->scratch_ids.data(), (int32_t) n,
                                  n_tokens, fast_error(hook)) ||
-            (b->next != nullptr && !hook->fast->window_load_ahead(b->next->layer, b->next->n_expert, 1 - window,
-                                                                  hook->n_window, fast_error(hook)))) {
+            (b->next != nullptr && b->window_next &&
+             !hook->fast->window_load_ahead(b->next->layer, b->next->n_expert, 1 - window, hook->n_window,
+                                            fast_error(hook)))) {
         hook->set_error(hook->fast_error);
         hook->failed = true;
         return;
@@ -924,7 +929,17 @@ llama_expert_remap llama_expert_remap_build(
     const int32_t glu = split_glu(hook, binding, selected_experts, ffn_input, ffn_op, weight_before_ffn, expert_extras);
     const int64_t n_used = selected_experts->ne[0], n_tokens = selected_experts->ne[1];
     remap.hook = hook;
-    if (hook->whole_pool && glu < 0 && hook->prefetch == nullptr && n_used * n_tokens <= hook->ring_per_layer) {
+    const bool whole  = hook->whole_pool && glu < 0 && hook->prefetch == nullptr &&
+                        n_used * n_tokens <= hook->ring_per_layer;
+    const bool window = !whole && window_applies(hook, binding, glu, n_tokens);
+    if (binding->position == 0) {
+        hook->window_built_last = nullptr; // a new graph
+    }
+    if (hook->window_built_last != nullptr && hook->window_built_last->next == binding) {
+        hook->window_built_last->window_next = window; // e.g. false for the last layer of a prompt: its output rows only
+    }
+    hook->window_built_last = window ? binding : nullptr;
+    if (whole) {
         // whole pool: slots = device map[router id] on the pool's device; the ids also go to this layer's part of
         // the ring, for the bookkeeping after the ubatch (serve_whole_pool)
         ggml_tensor * ids  = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
@@ -941,7 +956,7 @@ llama_expert_remap llama_expert_remap_build(
         remap.whole_pool = true;
         return remap;
     }
-    if (window_applies(hook, binding, glu, n_tokens)) {
+    if (window) {
         // layer windows: slot ids = expert ids in this layer's window; the op loads the next layer's window
         remap.ids = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 1, 1, args, 1, window_op, 1, binding);
         ggml_format_name(remap.ids, "%s%d-window", k_slot_ids, binding->layer);

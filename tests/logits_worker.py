@@ -38,7 +38,8 @@ def load(spec: dict):
 
     kwargs = dict(model_path=spec["model"], n_ctx=spec.get("n_ctx", 256), n_batch=512,
                   n_gpu_layers=spec.get("n_gpu_layers", 0),
-                  n_ubatch=spec["n_ubatch"], logits_all=True, n_threads=spec.get("n_threads", 2),
+                  n_ubatch=spec["n_ubatch"], logits_all=spec.get("logits_all", True),  # False: the last rows only
+                  n_threads=spec.get("n_threads", 2),
                   n_threads_batch=spec.get("n_threads", 2), verbose=False, seed=0)
     # CPU: repack off on both sides (see test_hook_bitexact). Layers offloaded to a GPU are never repacked:
     # there the default stands, as in llamapack.Llama.

@@ -473,3 +473,27 @@ def test_layer_windows_keep_the_logits_and_count_every_step(preset, models, vani
     assert on["cache_hits"] + on["cache_misses"] == off["cache_hits"] + off["cache_misses"]
     assert on["cache_misses"] >= on["ahead_loads"] - on["ahead_unused"]
     assert on["cache_misses"] == on["ram_hits"] + on["ram_misses"]
+
+
+def test_layer_windows_load_nothing_for_a_last_layer_that_takes_no_window(models, tmp_path):
+    """Without logits for every token, the last layer of a prompt's ubatch computes its output rows only (none, or
+    the prompt's last token): fewer tokens than the windows' minimum, so it takes the pool. The layer before it
+    loads nothing ahead (round 18: that load was 340 MB wasted per ubatch on the Qwen3-30B shape). Vanilla's
+    logits, with the same last-rows-only outputs."""
+    from hookutil import logits
+    from llamapack.synth import PRESETS as SPECS
+
+    preset, n_ubatch = "qwen3moe-tiny", 7
+    n_expert, n_layer = SPECS[preset].n_expert, SPECS[preset].n_layer
+    model = models[preset][0]
+    want, _ = logits(spec_for(model, n_ubatch, tmp_path / "vanilla.npy", mode="vanilla", logits_all=False), tmp_path,
+                     vanilla=True)
+    streaming = dict(stage_slots=3, ram_cache_mib=tier_mib(models, preset, n_keys(preset)), ram_preload=True,
+                     layer_windows_min_tokens=2)
+    out = tmp_path / "windows.npy"
+    spec = spec_for(model, n_ubatch, out, provider="streaming", n_slots=2 * n_expert + 1, streaming=streaming,
+                    logits_all=False, **source_spec(models, preset, "pack"))
+    stats = run_self(spec, tmp_path)["stats"]
+    assert np.array_equal(np.load(out), want)
+    n_window_ubatches = N_PROMPT // n_ubatch
+    assert stats["ahead_loads"] == n_window_ubatches * (n_layer - 2) * n_expert  # every layer but the first and last
