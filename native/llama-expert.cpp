@@ -511,8 +511,8 @@ static const char * k_slot_ids = "llamapack_slot_ids-"; // + the layer: a remap 
 
 // LLAMAPACK_COPY_TRACE=<file> (a diagnostic, bench/copy_timeline.py): the prefill's copy timeline, one line per event
 // appended to the file, "pid microseconds event layer value tensor": the scheduler's copies into a split (value 1:
-// a CPU split), the copies started there (early_issued: how many), and each window op's start, end of its wait
-// for its window's copies, and end. Unset: one test of a pointer per event.
+// a CPU split), the copies started there (early_issued: how many), and each window op's start and end (its wait
+// for its window's copies lies between; window_op_end's value: ahead_loads so far). Unset: one pointer test.
 static FILE * copy_trace_file() {
     static FILE * file = [] {
         const char * path = getenv("LLAMAPACK_COPY_TRACE");
