@@ -79,7 +79,8 @@ class StreamingSettings:
     were exact (that check does not count whether they loaded ahead). Rounds 15 and 16 measured 2% and 8.5% off
     a 512-token prefill at 25% on H100s (22% of its loads unused). Since API 12 its copies are issued once the
     layer's GPU work is launched (the copy callback): round 18 (H100) was exact on CUDA with it and took 10% off
-    the 512-token prefill at 25% (bench/results/gpu_round18_README.md).
+    the 512-token prefill at 25% (Qwen3-30B shape, replayed routing-model trace;
+    bench/results/gpu_round18_README.md).
     ``layer_windows_min_tokens``: ubatches of at least this many tokens (0: off) read each layer's experts from
     one of two windows of pool slots, a layer's worth each (expert e in the window's slot e: the matmuls see the
     model's own tensor shape), while every expert of the next layer is copied from the RAM tier into the other
@@ -87,9 +88,9 @@ class StreamingSettings:
     experts are forgotten); the pool's policy is not changed otherwise. Needs the native hot path, a RAM tier
     that holds every expert and a pool of at least two layers' experts (else it stays off, with a warning for
     the pool). Same experts, same bytes: bit-exact on CPU (tests/test_host_tier.py) and on CUDA (round 18, three
-    tiny archs, n_ubatch 7 and 512). No faster so far: 2% off the 512-token prefill at 25% on an H100, where the
-    prompt is bound by the host-to-device copies (every expert of every layer, 16.3 GB) and not by compute
-    (bench/results/gpu_round18_README.md).
+    tiny archs, n_ubatch 7 and 512). No faster so far: 2% off the 512-token prefill at 25% on an H100 (Qwen3-30B
+    shape, replayed routing-model trace), where the prompt is bound by the host-to-device copies (every expert
+    of every layer, 16.3 GB) and not by compute (bench/results/gpu_round18_README.md).
     """
 
     cache_vram_mib: float | None = None
