@@ -112,19 +112,27 @@ def test_bench_replays_the_trace_through_the_real_provider(tmp_path):
     rows = {row["name"]: row for row in data["summaries"]}
     assert rows["pack-25%"]["bit_exact"] == "n/a (replayed routing)" and rows["pack-25%"]["routing"] == "replayed"
     assert rows["pack-25%+ownrouting"]["bit_exact"].startswith("yes") and rows["vanilla"]["routing"] == "own"
-    # the rows the bench consumed: per request, its prompt's prefill rows, then n_decode - 1 decode rows, cycled
-    steps = []
-    for index, n_prompt in enumerate(prompts):
-        first, end = trace.request_bounds()[index]
+    # the rows the bench consumed: first the warm-up prompt (16 tokens, nothing decoded) of the trace request
+    # after the measured ones (2 mod 2: request 0), as upstream's; then per request, its prompt's prefill rows,
+    # then n_decode - 1 decode rows, cycled
+    def request_steps(index: int, n_prompt: int, n_decoded: int) -> list:
+        first, end = trace.request_bounds()[index % 2]
         prefill = trace.experts[first:end][trace.prefill[first:end]]
         decode = trace.experts[first:end][~trace.prefill[first:end]]
-        tokens = [prefill[t % len(prefill)] for t in range(n_prompt)] + [decode[t % len(decode)] for t in range(n_decode - 1)]
-        for t, token in enumerate(tokens):  # the last layer computes only tokens with an output: not the prompt's
-            steps += [[(layer, int(e)) for e in token[position]] for position, layer in enumerate((1, 2))
-                      if layer == 1 or t >= n_prompt - 1]
+        tokens = [prefill[t % len(prefill)] for t in range(n_prompt)] + [decode[t % len(decode)] for t in range(n_decoded)]
+        return [[(layer, int(e)) for e in token[position]]  # the last layer computes only tokens with an output
+                for t, token in enumerate(tokens) for position, layer in enumerate((1, 2)) if layer == 1 or t >= n_prompt - 1]
+
+    warmup = request_steps(len(prompts), 16, 0)
+    steps = warmup + [step for index, n_prompt in enumerate(prompts) for step in request_steps(index, n_prompt, n_decode - 1)]
+    assert data["workload"]["warmup_tokens"] == 16
     for name in ("pack-25%", "pack-25%+ram50%"):
         run = next(r for r in data["runs"] if r["config"]["name"] == name)
-        counted = {k: sum(r[phase].get(k, 0) for r in run["requests"] for phase in ("prefill_counters", "decode_counters"))
+        assert run["warmup"]["n_tokens"] == 16
+        warm = simulate(DEFAULT_POLICY, warmup, run["provider"]["n_slots"])  # from an empty cache, as the run started
+        assert (run["warmup"]["counters"]["cache_hits"], run["warmup"]["counters"]["cache_misses"]) == (warm["hits"], warm["misses"])
+        counted = {k: run["warmup"]["counters"][k] + sum(r[phase].get(k, 0) for r in run["requests"]
+                                                        for phase in ("prefill_counters", "decode_counters"))
                    for k in ("cache_hits", "cache_misses")}
         expected = simulate(DEFAULT_POLICY, steps, run["provider"]["n_slots"])
         assert (counted["cache_hits"], counted["cache_misses"]) == (expected["hits"], expected["misses"]), name

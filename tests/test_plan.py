@@ -181,6 +181,17 @@ def test_bench_requests_decode_loads(tmp_path):
     assert none.ssd_reads == 0 and none.lookups == 0
 
 
+def test_bench_requests_after_the_benchs_warm_up_prompt(tmp_path):
+    """request_loads with the bench's warm-up prompt: its reads come before the first request, whose prompt then
+    reads fewer keys for the first time; the requests' own draws are those of a run without it."""
+    small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
+    trace = hits.decode_trace(small, tmp_path)
+    (cold, _), = hits.request_loads(small, trace, [8], [0], 64, 12, 0)
+    (warmed, _), = hits.request_loads(small, trace, [8], [0], 64, 12, 0, warmup_tokens=16)
+    assert warmed.lookups == cold.lookups and warmed.ssd_first_reads < cold.ssd_first_reads
+    assert hits.request_loads(small, trace, [8], [0], 64, 12, 0, warmup_tokens=0) == [(cold, _)]
+
+
 def test_prefill_in_the_benchs_order(tmp_path):
     small = ModelShape("small", 4, 16, 2, STRIDE, STRIDE, REF_EXPERT_BYTES, 10 ** 8)
     trace = hits.decode_trace(small, tmp_path)

@@ -89,6 +89,9 @@ LIMITED_UPSTREAM_DECODE, LIMITED_UPSTREAM_TIMEOUT_S = 32, 240.0
 @click.option("--read-engines", is_flag=True,
               help="Add twins of each limited pack run reading on the native pool (+native) and on Python threads (+pyreads).")
 @click.option("--prompt-lengths", callback=_numbers(int), default="32,512", show_default=True)
+@click.option("--warmup-tokens", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Before the measured requests, each run evaluates a prompt of this many tokens and throws it away, "
+                   "as upstream's llama-batched-bench does (first-use costs: CUDA modules, cuBLAS); 0: none.")
 @click.option("-n", "--n-decode", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--decode-cap-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="A request stops decoding after this many seconds (slow runs still give a rate).")
@@ -122,7 +125,7 @@ LIMITED_UPSTREAM_DECODE, LIMITED_UPSTREAM_TIMEOUT_S = 32, 240.0
 @click.option("--list", "list_only", is_flag=True, help="List the runs this would make, then exit.")
 def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, rounds, shuffle_seed, no_gguf_direct, ram_tier, prefetch,
                   prefetch_tops, prefetch_depths, read_splits, prefetch_in_flights, ram_fractions, read_engines,
-                  prompt_lengths, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, routing,
+                  prompt_lengths, warmup_tokens, n_decode, decode_cap_s, temperature, ubatch_size, vanilla_lib, patched_lib, routing,
                   upstream_bin, upstream_names, warm_routing, warm_requests, warm_prompt_tokens, warm_tokens, warm_cap_s,
                   list_only) -> None:
     """Measure MODEL.gguf under vanilla llama.cpp and llamapack, side by side, and report ratios."""
@@ -151,7 +154,7 @@ def bench_command(model, pack, out_dir, memory_limit_mib, fractions, names, roun
             click.echo(config.name)
         return
     plan = BenchPlan(model=model, out_dir=out_dir, configs=tuple(configs), pack=pack,
-                     prompt_lengths=prompt_lengths or (32, 512), n_decode=n_decode, decode_cap_s=decode_cap_s,
+                     prompt_lengths=prompt_lengths or (32, 512), warmup_tokens=warmup_tokens, n_decode=n_decode, decode_cap_s=decode_cap_s,
                      temperature=temperature, n_ctx=max(1024, max(prompt_lengths or (512,)) + n_decode + 8), n_ubatch=ubatch_size,
                      vanilla_lib=vanilla_lib, patched_lib=patched_lib, rounds=rounds, shuffle_seed=shuffle_seed,
                      routing=routing, upstream_bin=upstream_bin, warm_routing=warm_routing, warm_requests=warm_requests,

@@ -219,15 +219,15 @@ def measured_loads(run: dict) -> StepLoads | None:
 
 def bench_request_loads(run: dict, shape: ModelShape, trace, budgets: Budgets, policy, preloaded: bool,
                         prompt_source=None, warm: dict | None = None) -> tuple[dict, list[tuple[int, StepLoads]]]:
-    """The run's requests replayed in the bench's order (the first from an empty cache, or one warm-started from
-    ``warm``; its prompts the routing model's prompt rows, ``prompt_source``; its decode the routing model's trace,
-    as many tokens as the run decoded): (loads per ubatch of each prompt length, [(tokens decoded, loads per
-    decode token)] of each request)."""
+    """The run's requests replayed in the bench's order, after its warm-up prompt if it made one (the first from
+    an empty cache, or one warm-started from ``warm``; its prompts the routing model's prompt rows,
+    ``prompt_source``; its decode the routing model's trace, as many tokens as the run decoded): (loads per ubatch
+    of each prompt length, [(tokens decoded, loads per decode token)] of each request)."""
     requests = run["requests"]
     prompts, decoded = [r["n_prompt"] for r in requests], [r["n_decoded"] for r in requests]
     loads = hits.request_loads(shape, trace, prompts, decoded, budgets.n_ubatch, budgets.pool_slots,
                                budgets.tier_blocks, policy=policy, preloaded=preloaded, prompt_source=prompt_source,
-                               warm=warm)
+                               warm=warm, warmup_tokens=(run.get("warmup") or {}).get("n_tokens", 0))
     if pool_filled_at_start(run, budgets, shape):  # no request misses: every lookup a pool hit
         loads = [tuple(dataclasses.replace(l, pool_hits=l.lookups, ram_hits=0.0, ssd_reads=0.0, ssd_steps=0.0,
                                            ssd_step_misses=0.0, ssd_first_reads=0.0) for l in pair) for pair in loads]

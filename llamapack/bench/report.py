@@ -302,6 +302,9 @@ def markdown(results: dict) -> str:
              f"Workload: {_workload_kind(results['workload'])}, prompts of {', '.join(map(str, lengths))} tokens, up to "
              f"{results['workload']['n_decode']} tokens each (decode stops after {results['workload']['decode_cap_s']:g} s), "
              f"n_ubatch {results['workload']['n_ubatch']}"
+             + (f"; each run first evaluates a {results['workload']['warmup_tokens']}-token prompt it throws away "
+                "(upstream's batched-bench likewise)" if results["workload"].get("warmup_tokens")
+                else "; no warm-up prompt (each run's first prompt carries its first-use costs)")
              + (f"; the reference once, then every other run in each of {n_rounds} rounds"
                 + (f", each round shuffled (seed {results['workload']['shuffle_seed']})"
                    if results["workload"].get("shuffle_seed") is not None else "")

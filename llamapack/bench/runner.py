@@ -40,6 +40,7 @@ class BenchPlan:
     pack: str | None = None               # None: <stem>.expert-pack beside the model
     prompt_lengths: tuple[int, ...] = DEFAULT_PROMPT_LENGTHS
     n_decode: int = 200
+    warmup_tokens: int = 16               # a thrown-away prefill before the measured requests (batched-bench's; 0: none)
     decode_cap_s: float = 60.0            # a request stops decoding after this many seconds
     temperature: float = 0.0              # 0: greedy; else sampled with a fixed seed (same logits, same tokens)
     n_ctx: int = 1024
@@ -95,6 +96,7 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> dict:
                               expert_bytes=expert_bytes, n_moe_layers=len(layout.layers),
                               n_expert=layout.num_experts, expert_stride=layout.expert_stride, top_k=top_k_of(model)),
                    workload=dict(prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode,
+                                 warmup_tokens=plan.warmup_tokens,
                                  decode_cap_s=plan.decode_cap_s, temperature=plan.temperature, n_ctx=plan.n_ctx, n_ubatch=plan.n_ubatch,
                                  stage_slots=plan.stage_slots, read_splits=plan.read_splits,
                                  rounds=plan.rounds, shuffle_seed=plan.shuffle_seed, routing=routing,
@@ -197,7 +199,7 @@ def run_config(plan: BenchPlan, config: BenchConfig, expert_bytes: int, n_expert
     spec = dict(config=config.as_dict(), model=plan.model, pack=pack_path, expert_bytes=expert_bytes,
                 n_experts=n_experts,
                 prompt_lengths=list(plan.prompt_lengths), n_decode=plan.n_decode, decode_cap_s=plan.decode_cap_s,
-                temperature=plan.temperature,
+                temperature=plan.temperature, warmup_tokens=plan.warmup_tokens,
                 n_ctx=plan.n_ctx, n_batch=max(plan.n_ubatch, 512), n_ubatch=plan.n_ubatch,
                 stage_slots=plan.stage_slots, read_splits=plan.read_splits, routing=plan.routing)
     env = dict(os.environ)

@@ -7,7 +7,8 @@ random tokens, for each prompt length P (in ``-npp`` order) it clears the KV cac
 (T_PP: the prompt's llama_process calls of ``-b`` tokens, then one llama_synchronize; logits of the last token
 only, nothing sampled), then ``-ntg`` T single-token decodes at positions P.., each synchronized, of random
 tokens (T_TG: logits every step, nothing sampled). S_PP = P / T_PP and S_TG = T / T_TG. Ours times the same
-phases through Python (prefill including the first token's argmax; decode of n_decode - 1 sampled tokens).
+phases through Python (prefill including the first token's argmax; decode of n_decode - 1 sampled tokens),
+after the same warm-up (``--warmup-tokens``, 16 by default: a prompt of the same trace request, thrown away).
 
 What a run lacks next to ours: no logits digests (no bit-exact column), no time to first token other than
 T_PP, and cache counters only for the whole process (llama_moe_cache logs them in llama_free, which only the patched

@@ -8,7 +8,8 @@ settings, warm start on in ``spec["warm_start_dir"]``, which is empty, so it sta
 requests of ``spec["warm"]`` and saves the popularity at close), then the measured one, which starts warm from
 that folder. Every other config starts cold and saves nothing.
 
-Each prompt is one request from an empty context: evaluate the prompt (prefill; its end is the time to
+Before them, a thrown-away warm-up prompt of ``spec["warmup_tokens"]`` tokens (``warm_up``; upstream's
+batched-bench makes the same). Each prompt is one request from an empty context: evaluate the prompt (prefill; its end is the time to
 first token), then decode one token per eval until ``n_decode`` tokens or ``decode_cap_s``: greedy, or with
 ``temperature`` > 0 sampled from softmax(logits / T) by a generator seeded per request, so runs with the
 same logits pick the same tokens. The logits of every step are hashed, so runs that should compute the same
@@ -178,6 +179,21 @@ def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float, temp
                 prefill_counters=delta(c1, c0), decode_counters=delta(c2, c1))
 
 
+def warm_up(llm, n_tokens: int, replay=None, request_index: int = 0) -> dict:
+    """upstream llama-batched-bench's warm-up, ours: a prompt of ``n_tokens`` evaluated and thrown away before the
+    measured requests (their ``llm.reset()`` reuses its KV cells), so that first-use costs (CUDA modules loaded on
+    first launch, cuBLAS handles) fall on neither side's measured prompts. With ``replay`` it replays trace request
+    ``request_index``, the one upstream's warm-up replays (bench/upstream.py ``replay_segments``)."""
+    llm.reset()
+    if replay is not None:
+        replay.start_request(request_index, n_tokens)
+    c0 = provider_counters(llm)
+    start = time.perf_counter()
+    llm.eval(prompt_tokens(llm, n_tokens))
+    last_logits(llm)
+    return dict(n_tokens=n_tokens, seconds=time.perf_counter() - start, counters=delta(provider_counters(llm), c0))
+
+
 PROVIDER_FACTS = ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots", "prefetch_top",
                   "prefetch_depth", "prefetch_in_flight", "read_engine", "hybrid")
 
@@ -233,6 +249,8 @@ def run(spec: dict) -> dict:
             from .replay import install
 
             replay = install(llm._provider, load_trace(spec["routing"]))
+        warmup = (warm_up(llm, spec["warmup_tokens"], replay, len(spec["prompt_lengths"]))
+                  if spec.get("warmup_tokens") else None)
         requests = []
         for index, n_prompt in enumerate(spec["prompt_lengths"]):
             requests.append(run_request(llm, prompt_tokens(llm, n_prompt), spec["n_decode"], spec["decode_cap_s"],
@@ -240,7 +258,7 @@ def run(spec: dict) -> dict:
         facts = provider_facts(llm, provider_counters(llm))  # before close: the provider goes with it
     finally:
         llm.close()
-    return dict(config=config.as_dict(), load_s=load_s, load_counters=delta(loaded, {}), requests=requests,
+    return dict(config=config.as_dict(), load_s=load_s, load_counters=delta(loaded, {}), warmup=warmup, requests=requests,
                 routing="replayed" if replay is not None else "own", provider=facts,
                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 

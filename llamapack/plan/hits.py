@@ -318,13 +318,17 @@ def request_prefill_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[
 def request_loads(shape: ModelShape, trace: RoutingTrace, prompts: list[int], n_decoded: list[int], n_ubatch: int,
                   pool_slots: int, tier_blocks: int, seed: int = TRACE_SEED, policy=None, preloaded: bool = False,
                   prompt_source: RoutingTrace | None = None,
-                  warm: dict[int, list[float]] | None = None) -> list[tuple[StepLoads, StepLoads]]:
+                  warm: dict[int, list[float]] | None = None, warmup_tokens: int = 0) -> list[tuple[StepLoads, StepLoads]]:
     """``request_prefill_loads``' sequence, one replay: per request, (loads per ubatch of its prompt, loads per
     token of its decode; a request that decoded nothing of the trace: zero loads), first reads counted from the
-    process's start (the caches' keys after a warm start or tier preload already read)."""
+    process's start (the caches' keys after a warm start or tier preload already read). ``warmup_tokens``: the
+    bench's thrown-away warm-up prompt first (request ``len(prompts)``'s rows, as the bench replays it)."""
     rng = np.random.default_rng(seed)
     bounds, decode_steps = trace.request_bounds(), trace.steps()
     steps, tokens, labels, decoded_counts = [], [], [], []
+    if warmup_tokens:  # its own draws, so that the measured prompts are those of a run without it
+        steps = _prompt(shape, prompt_source, len(prompts), warmup_tokens, n_ubatch, np.random.default_rng(seed + 1))
+        tokens, labels = [min(warmup_tokens, n_ubatch)] * len(steps), [("warmup", 0)] * len(steps)
     for i, (n_prompt, n_dec) in enumerate(zip(prompts, n_decoded)):
         prompt = _prompt(shape, prompt_source, i, n_prompt, n_ubatch, rng)
         steps += prompt
