@@ -19,7 +19,8 @@
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh replay", ...)  # #22: see below;
 #   then bench with ROUTING=<trace.npz> (the llamapack runs replay it) and UPSTREAM=1 (upstream b11549 runs;
 #   UPSTREAM_RUNS=name,... picks some of them)
-#   bench also takes PROMPT_LENGTHS (default 512,32: the measured requests, in order) and, for CONFIGS with +warm
+#   bench also takes PROMPT_LENGTHS (default 512,32: the measured requests, in order), WARMUP_TOKENS (the thrown-away
+#   prompt every run evaluates first, as upstream's batched-bench: default 16, 0: none) and, for CONFIGS with +warm
 #   (a start from a priming session's popularity; #23), WARM_ROUTING=<trace.npz> (the priming requests' trace:
 #   default the ROUTING trace's requests no measured prompt replays; the Qwen3-30B trace's two are both replayed,
 #   so give bench/results/q30b_routing_model_seed1_prime.trace.npz), WARM_REQUESTS, WARM_PROMPT_TOKENS,
@@ -295,7 +296,8 @@ bench)  # TAG: results in $OUT/bench-TAG/ (bench.md, .json, .png; written after 
         ${ROUTING:+--routing $ROUTING} ${UPSTREAM:+--upstream-bin ${UPSTREAM_BIN:-/tmp/upstream/build/bin}} ${UPSTREAM_RUNS:+--upstream-runs $UPSTREAM_RUNS} \
         ${WARM_ROUTING:+--warm-routing $WARM_ROUTING} ${WARM_REQUESTS:+--warm-requests $WARM_REQUESTS} \
         ${WARM_PROMPT_TOKENS:+--warm-prompt-tokens $WARM_PROMPT_TOKENS} ${WARM_TOKENS:+--warm-tokens $WARM_TOKENS} \
-        ${WARM_CAP_S:+--warm-cap-s $WARM_CAP_S} ${CONFIGS:+--configs $CONFIGS} 2>&1
+        ${WARM_CAP_S:+--warm-cap-s $WARM_CAP_S} ${WARMUP_TOKENS:+--warmup-tokens $WARMUP_TOKENS} \
+        ${CONFIGS:+--configs $CONFIGS} 2>&1
     [ -z "${PLAN:-}" ] || plan_vs_measured "$results"
     ;;
 plan)  # #26: predicted vs measured for $OUT/bench-TAG (a bench of this call or an earlier one on this machine)
