@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import NativeError
 
-EXPECTED_API_VERSION = 13
+EXPECTED_API_VERSION = 14
 MAX_LOOKAHEAD = 8  # LLAMA_EXPERT_MAX_LOOKAHEAD
 ROLE_NAMES = {0: "gate", 1: "up", 2: "down", 3: "gate_up"}
 
@@ -225,7 +225,8 @@ def fast_path_counts(ctx) -> dict:
                 cache_misses=out.cache_misses, cache_evictions=out.cache_evictions, ram_hits=out.ram_hits,
                 h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s,
                 cpu_experts=out.cpu_experts, cpu_s=out.cpu_s, ahead_loads=out.ahead_loads,
-                ahead_unused=out.ahead_unused, ahead_early=out.ahead_early, ahead_early_s=out.ahead_early_s)
+                ahead_unused=out.ahead_unused, ahead_early=out.ahead_early, ahead_early_s=out.ahead_early_s,
+                window_skipped=out.window_skipped)
 
 
 def set_hybrid(ctx, upload_share: float, n_threads: int, max_tokens: int, block_offsets, fill_pool: bool = True) -> object:

@@ -62,6 +62,7 @@ class ProviderCounters:
     ahead_unused: int = 0  # ... and the experts loaded ahead that their step did not ask for
     ahead_early: int = 0   # ... and those whose copies started while the GPU computed the layer before (the
     ahead_early_s: float = 0.0  # scheduler's copy callback), and the seconds issuing them (in copy_wait_s)
+    window_skipped: int = 0  # layer windows: experts planned into a window, never copied (their step did not use them)
 
     @property
     def lookups(self) -> int:

@@ -124,6 +124,7 @@ struct llama_expert_fast_path_stats {
     int64_t  ahead_unused;
     int64_t  ahead_early;
     double   ahead_early_s;
+    int64_t  window_skipped;
 };
 int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool whole_pool);
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);

@@ -5,8 +5,10 @@
 // only spares the step a trip through the provider when no SSD read is needed.
 #include "llama-expert-fast.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 static double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
@@ -37,6 +39,9 @@ std::unique_ptr<llama_expert_fast_path> llama_expert_fast_path::create(
     fast->h2d                  = desc.h2d;
     fast->sync                 = desc.sync;
     fast->stream               = desc.stream;
+    if (const char * early = std::getenv("LLAMAPACK_WINDOW_EARLY"); early != nullptr && *early != '\0') {
+        fast->window_early = std::atoi(early);
+    }
     if (desc.tier != nullptr) {
         for (int32_t i = 0; i < desc.n_blocks; ++i) {
             if (desc.block_addrs[i] == nullptr) {
@@ -65,7 +70,9 @@ llama_expert_fast_path::result llama_expert_fast_path::serve(
         std::vector<llama_expert_cpu_row> * cpu_rows, std::string & error) {
     const auto started = std::chrono::steady_clock::now();
     const int32_t n_ids = n_used * n_tokens;
-    // load-ahead's copies still unissued (no split input copy started them), then every copy left running
+    // load-ahead's copies still unissued (no split input copy started them), then every copy left running; a
+    // window's unissued loads are skipped: this step gives the windows back to the pool
+    skip_window_loads_behind();
     if (!start_copies_behind(error) || (copies_pending && !finish_copies(error))) {
         return FAILED;
     }
@@ -292,7 +299,10 @@ bool llama_expert_fast_path::claim_windows(int32_t n_window, std::string & error
 bool llama_expert_fast_path::window_step(int32_t layer, int32_t n_expert, int32_t window, int32_t n_window,
                                          const int32_t * ids, int32_t n_ids, int32_t n_tokens, std::string & error) {
     const auto started = std::chrono::steady_clock::now();
-    if (!start_copies_behind(error) || (copies_pending && !finish_copies(error))) { // this window's, loaded ahead
+    // this window's loads still behind (not started early): only those the step uses are copied, below
+    const bool own_loads_behind = windows_owned && loads_are_windows && behind_layer == layer &&
+                                  window >= 0 && window <= 1 && window_layer[window] == layer;
+    if (!own_loads_behind && (!start_copies_behind(error) || (copies_pending && !finish_copies(error)))) {
         return false;
     }
     if (tier == nullptr || !tier_holds_every_key || window < 0 || window > 1 || n_expert > n_window) {
@@ -316,8 +326,15 @@ bool llama_expert_fast_path::window_step(int32_t layer, int32_t n_expert, int32_
         }
     }
     const int32_t n_keys = (int32_t) keys.size() / 2;
+    const bool copied = !own_loads_behind || copy_used_window_loads(layer, error); // reads position's marks
+    auto & used = window_used_last[layer];
+    used.assign(n_expert, 0);
     for (int32_t k = 0; k < n_keys; ++k) {
         position[keys[2*k + 1]] = -1;
+        used[keys[2*k + 1]] = 1;
+    }
+    if (!copied || (copies_pending && !finish_copies(error))) {
+        return false;
     }
     loads_are_windows = true; // until the next serve()
     if (!loaded_ahead) { // the step's experts, now
@@ -347,10 +364,17 @@ bool llama_expert_fast_path::window_load_ahead(int32_t layer, int32_t n_expert, 
     }
     loads_are_windows = true;
     load_keys.resize(2 * (size_t) n_expert); load_slots.resize(n_expert);
-    for (int32_t e = 0; e < n_expert; ++e) {
-        load_keys[2*e] = layer;
-        load_keys[2*e + 1] = e;
-        load_slots[e] = window * n_window + e;
+    const auto last = window_used_last.find(layer); // those its last window step used first: the early copies
+    int32_t n = 0;
+    for (const bool used_first : { true, false }) {
+        for (int32_t e = 0; e < n_expert; ++e) {
+            const bool used = last != window_used_last.end() && e < (int32_t) last->second.size() && last->second[e];
+            if (used == used_first) {
+                load_keys[2*n] = layer;
+                load_keys[2*n + 1] = e;
+                load_slots[n++] = window * n_window + e;
+            }
+        }
     }
     if (copy_loads(layer, 0, /*n_now =*/ 0, /*wait =*/ false, error) != SERVED) {
         return false;
@@ -359,6 +383,35 @@ bool llama_expert_fast_path::window_load_ahead(int32_t layer, int32_t n_expert, 
     window_layer[window] = layer;
     counts.ahead_loads += n_expert;
     return true;
+}
+
+// the window loads still behind whose expert the step uses (position[expert] >= 0), copied now; the others skipped
+bool llama_expert_fast_path::copy_used_window_loads(int32_t layer, std::string & error) {
+    const int32_t n_loads = (int32_t) load_slots.size();
+    behind_layer = -1;
+    behind_ahead = false;
+    const auto started = std::chrono::steady_clock::now();
+    for (int32_t i = behind_from; i < n_loads; ++i) {
+        if (position[load_keys[2*i + 1]] < 0) {
+            counts.window_skipped++;
+        } else if (!copy_load(i, error)) {
+            copies_pending = false;
+            error = "layer " + std::to_string(layer) + ": " + error;
+            return false;
+        } else {
+            copies_pending = sync != nullptr;
+        }
+    }
+    counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
+    return true;
+}
+
+void llama_expert_fast_path::skip_window_loads_behind() {
+    if (behind_layer >= 0 && loads_are_windows) {
+        counts.window_skipped += (int64_t) load_slots.size() - behind_from;
+        behind_layer = -1;
+        behind_ahead = false;
+    }
 }
 
 // the CPU keys' RAM blocks (the tier's acquire marks them used, as a copy's would), one row per id
@@ -520,12 +573,17 @@ bool llama_expert_fast_path::start_copies_behind(std::string & error, bool early
     }
     const int32_t layer = behind_layer;
     early = early && behind_ahead;
-    behind_layer = -1;
-    behind_ahead = false;
+    const int32_t n_loads = (int32_t) load_slots.size();
+    // early, a window's first window_early loads only: its step copies the rest it uses (copy_used_window_loads)
+    const int32_t end = early && loads_are_windows && window_early >= 0 ? std::min(n_loads, behind_from + window_early)
+                                                                       : n_loads;
+    behind_layer = end < n_loads ? layer : -1;
+    behind_ahead = false; // the copy callback starts nothing more of them
     const auto started = std::chrono::steady_clock::now();
-    for (int32_t i = behind_from; i < (int32_t) load_slots.size(); ++i) {
+    for (int32_t i = behind_from; i < end; ++i) {
         if (!copy_load(i, error)) {
             abandon_loads();
+            behind_layer = -1;
             copies_pending = false;
             error = "layer " + std::to_string(layer) + ": " + error;
             return false;
@@ -534,9 +592,10 @@ bool llama_expert_fast_path::start_copies_behind(std::string & error, bool early
     const double issued_s = seconds_between(started, std::chrono::steady_clock::now());
     counts.copy_s += issued_s;
     if (early) {
-        counts.ahead_early   += (int64_t) load_slots.size() - behind_from;
+        counts.ahead_early   += end - behind_from;
         counts.ahead_early_s += issued_s;
     }
+    behind_from = end;
     copies_pending = sync != nullptr; // serve() waits for them before the next step
     return true;
 }

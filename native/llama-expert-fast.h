@@ -52,7 +52,9 @@ public:
     // other step takes slots [0, 2 * n_window) from the pool's policy (their experts forgotten). window_step: the
     // step's experts are in window w when it returns true (loaded ahead, else copied now: the step's own, and
     // waited for); counted as misses served from RAM (the pool's policy sees nothing). window_load_ahead: every
-    // expert of `layer` into window w, the copies left behind (start_copies_behind, or the next step starts them).
+    // expert of `layer` into window w (those its last window step used first), the copies left behind: the
+    // copy callback starts at most window_early of them (start_copies_behind(early)), the layer's own step
+    // copies the rest it uses and skips the others (window_skipped), a step of another kind skips them all.
     // Only with a RAM tier that holds every key (tier_holds_all()). False with error set on failure.
     bool window_step(int32_t layer, int32_t n_expert, int32_t window, int32_t n_window, const int32_t * ids, int32_t n_ids,
                      int32_t n_tokens, std::string & error);
@@ -118,8 +120,13 @@ private:
     bool                  loads_are_windows = false, pending_are_windows = false; // load_keys / pending_loads: window slots
     bool                  windows_owned = false;     // window slots taken from the pool's policy since the last serve()
     int32_t               window_layer[2] = { -1, -1 }; // the layer each window was loaded ahead with (-1: none)
+    int32_t               window_early = -1; // loads of a window the copy callback starts (-1: all; env
+                                             // LLAMAPACK_WINDOW_EARLY, an experiment's knob)
+    std::unordered_map<int32_t, std::vector<uint8_t>> window_used_last; // per layer: experts its last window step used
 
     bool claim_windows(int32_t n_window, std::string & error);
+    bool copy_used_window_loads(int32_t layer, std::string & error); // the loads behind that the step's keys use
+    void skip_window_loads_behind();                                 // a window's loads behind, never copied
 
     llama_expert_fast_path_stats counts = {};
 

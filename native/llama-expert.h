@@ -37,7 +37,7 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
-#define LLAMA_EXPERT_API_VERSION 13
+#define LLAMA_EXPERT_API_VERSION 14
 
 // the most layers ahead a router lookahead guesses (llama_expert_prefetch_set's depth)
 #define LLAMA_EXPERT_MAX_LOOKAHEAD 8
@@ -249,6 +249,8 @@ struct llama_expert_fast_path_stats {
     int64_t  ahead_early;  // (API 13) of those, the ones whose copies the scheduler's copy callback started, while
                            // the GPU computed the layer before (the others: started by their own step)
     double   ahead_early_s; // issuing those copies (inside copy_s)
+    int64_t  window_skipped; // (API 14) layer windows: experts planned into a window and never copied (their step
+                             // did not use them, or no window step came), with ahead_unused the waste avoided
 };
 
 // desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).

@@ -467,7 +467,10 @@ def test_layer_windows_keep_the_logits_and_count_every_step(preset, models, vani
     off, on, small = runs["off"]["stats"], runs["on"]["stats"], runs["small pool"]["stats"]
     assert off["ahead_loads"] == 0 and small["ahead_loads"] == 0
     assert on["ahead_loads"] == n_window_ubatches * (n_layer - 1) * n_expert
-    assert 0 <= on["ahead_unused"] < on["ahead_loads"]
+    assert 0 < on["ahead_unused"] < on["ahead_loads"]
+    # a host pool's loads ahead wait for their step (no copy callback starts them), which copies only the experts
+    # it uses: those it does not are never copied (a wrong skip would leave another layer's bytes in the window)
+    assert on["window_skipped"] == on["ahead_unused"] and off["window_skipped"] == 0
     for counter in ("acquires", "tokens"):
         assert on[counter] == off[counter], counter
     assert on["cache_hits"] + on["cache_misses"] == off["cache_hits"] + off["cache_misses"]
@@ -497,3 +500,4 @@ def test_layer_windows_load_nothing_for_a_last_layer_that_takes_no_window(models
     assert np.array_equal(np.load(out), want)
     n_window_ubatches = N_PROMPT // n_ubatch
     assert stats["ahead_loads"] == n_window_ubatches * (n_layer - 2) * n_expert  # every layer but the first and last
+    assert stats["window_skipped"] == stats["ahead_unused"]
