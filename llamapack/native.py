@@ -188,12 +188,12 @@ def hook_stats(ctx) -> dict:
 
 def set_fast_path(ctx, pool_policy, tier_policy=None, tier_holds_every_key: bool = False, block_addrs=(),
                   copy_spans=(), first_layer: int = 0, h2d: int | None = None, sync: int | None = None,
-                  stream: int = 0):
+                  stream: int = 0, d2d: int | None = None):
     """Turn the native hot path on (``llama_expert_fast_path_desc``): ``pool_policy``/``tier_policy`` are
     policy_native.NativeNextUsePolicy instances (the provider's own), ``block_addrs`` the tier's block
     addresses, ``copy_spans`` (layer, pool offset, slot stride, block offset, nbytes) per role of each served
     layer; ``h2d``/``sync``: addresses of cuMemcpyHtoDAsync_v2 / cuStreamSynchronize for a GPU pool (None: a
-    host pool, memcpy). Returns what must stay alive while it is on (the description's arrays)."""
+    host pool, memcpy); ``d2d``: cuMemcpyDtoDAsync_v2's, for layer windows' experts already in the pool. Returns what must stay alive while it is on (the description's arrays)."""
     blocks = ffi.new("void *[]", [ffi.cast("void *", addr) for addr in block_addrs] or [ffi.NULL])
     spans = ffi.new("struct llama_expert_copy_span[]", [tuple(span) for span in copy_spans] or 1)
     desc = ffi.new("struct llama_expert_fast_path_desc *", {
@@ -201,7 +201,7 @@ def set_fast_path(ctx, pool_policy, tier_policy=None, tier_holds_every_key: bool
         "tier_holds_every_key": int(tier_holds_every_key), "n_blocks": len(block_addrs), "block_addrs": blocks,
         "n_spans": len(copy_spans), "spans": spans, "first_layer": first_layer,
         "h2d": ffi.cast("llama_expert_h2d_fn", h2d or 0), "sync": ffi.cast("llama_expert_sync_fn", sync or 0),
-        "stream": ffi.cast("void *", stream)})
+        "stream": ffi.cast("void *", stream), "d2d": ffi.cast("llama_expert_d2d_fn", d2d or 0)})
     if lib().llama_expert_fast_path_set(ctx, desc) != 0:
         raise NativeError(last_error(ctx))
     return blocks, spans, desc
@@ -226,7 +226,7 @@ def fast_path_counts(ctx) -> dict:
                 h2d_bytes=out.h2d_bytes, provide_s=out.seconds, copy_wait_s=out.copy_s,
                 cpu_experts=out.cpu_experts, cpu_s=out.cpu_s, ahead_loads=out.ahead_loads,
                 ahead_unused=out.ahead_unused, ahead_early=out.ahead_early, ahead_early_s=out.ahead_early_s,
-                window_skipped=out.window_skipped)
+                window_skipped=out.window_skipped, d2d_bytes=out.d2d_bytes, window_from_pool=out.window_from_pool)
 
 
 def set_hybrid(ctx, upload_share: float, n_threads: int, max_tokens: int, block_offsets, fill_pool: bool = True) -> object:

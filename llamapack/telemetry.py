@@ -63,6 +63,8 @@ class ProviderCounters:
     ahead_early: int = 0   # ... and those whose copies started while the GPU computed the layer before (the
     ahead_early_s: float = 0.0  # scheduler's copy callback), and the seconds issuing them (in copy_wait_s)
     window_skipped: int = 0  # layer windows: experts planned into a window, never copied (their step did not use them)
+    window_from_pool: int = 0  # layer windows: experts copied into a window from their pool slot (GPU: device to
+    d2d_bytes: int = 0         # device), not from RAM, and those bytes (not in h2d_bytes)
 
     @property
     def lookups(self) -> int:

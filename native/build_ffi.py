@@ -87,6 +87,7 @@ int32_t llama_expert_policy_load_ahead(struct llama_expert_policy * policy, cons
 
 struct llama_expert_policy;
 typedef int32_t (*llama_expert_h2d_fn)(uint64_t dst, const void * src, size_t nbytes, void * stream);
+typedef int32_t (*llama_expert_d2d_fn)(uint64_t dst, uint64_t src, size_t nbytes, void * stream);
 typedef int32_t (*llama_expert_sync_fn)(void * stream);
 struct llama_expert_copy_span {
     int32_t  layer;
@@ -107,6 +108,7 @@ struct llama_expert_fast_path_desc {
     llama_expert_h2d_fn          h2d;
     llama_expert_sync_fn         sync;
     void *                       stream;
+    llama_expert_d2d_fn          d2d;
 };
 struct llama_expert_fast_path_stats {
     int64_t  steps;
@@ -125,6 +127,8 @@ struct llama_expert_fast_path_stats {
     int64_t  ahead_early;
     double   ahead_early_s;
     int64_t  window_skipped;
+    uint64_t d2d_bytes;
+    int64_t  window_from_pool;
 };
 int32_t llama_expert_slot_lookup_set(struct llama_context * ctx, int32_t max_tokens, bool whole_pool);
 int32_t llama_expert_fast_path_set(struct llama_context * ctx, const struct llama_expert_fast_path_desc * desc);

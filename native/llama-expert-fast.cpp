@@ -37,10 +37,14 @@ std::unique_ptr<llama_expert_fast_path> llama_expert_fast_path::create(
     fast->first_layer          = desc.first_layer;
     fast->pool_base            = pool_base;
     fast->h2d                  = desc.h2d;
+    fast->d2d                  = desc.d2d;
     fast->sync                 = desc.sync;
     fast->stream               = desc.stream;
     if (const char * early = std::getenv("LLAMAPACK_WINDOW_EARLY"); early != nullptr && *early != '\0') {
         fast->window_early = std::atoi(early);
+    }
+    if (const char * from_pool = std::getenv("LLAMAPACK_WINDOW_FROM_POOL"); from_pool != nullptr) {
+        fast->window_from_pool = std::string(from_pool) != "0";
     }
     if (desc.tier != nullptr) {
         for (int32_t i = 0; i < desc.n_blocks; ++i) {
@@ -343,6 +347,7 @@ bool llama_expert_fast_path::window_step(int32_t layer, int32_t n_expert, int32_
         for (int32_t k = 0; k < n_keys; ++k) {
             load_slots[k] = window * n_window + keys[2*k + 1];
         }
+        find_window_loads_in_pool(n_window);
         if (copy_loads(layer, n_tokens, n_keys, /*wait =*/ true, error) != SERVED) {
             return false;
         }
@@ -376,6 +381,7 @@ bool llama_expert_fast_path::window_load_ahead(int32_t layer, int32_t n_expert, 
             }
         }
     }
+    find_window_loads_in_pool(n_window);
     if (copy_loads(layer, 0, /*n_now =*/ 0, /*wait =*/ false, error) != SERVED) {
         return false;
     }
@@ -404,6 +410,21 @@ bool llama_expert_fast_path::copy_used_window_loads(int32_t layer, std::string &
     }
     counts.copy_s += seconds_between(started, std::chrono::steady_clock::now());
     return true;
+}
+
+// a window load whose expert the pool holds copies from its slot (device to device; a host pool: memcpy): the
+// window steps leave the pool's policy alone, so that slot keeps the expert until a later step's copies, which
+// the stream orders after this one. The slots of the windows themselves hold no key (claim_windows).
+void llama_expert_fast_path::find_window_loads_in_pool(int32_t n_window) {
+    const int32_t n_loads = (int32_t) load_slots.size();
+    load_pool_slots.assign(n_loads, -1);
+    if (!window_from_pool || (h2d != nullptr && d2d == nullptr)) {
+        return;
+    }
+    for (int32_t i = 0; i < n_loads; ++i) {
+        const int32_t slot = llama_expert_policy_slot_of(pool, load_keys[2*i], load_keys[2*i + 1]);
+        load_pool_slots[i] = slot >= 2 * n_window ? slot : -1;
+    }
 }
 
 void llama_expert_fast_path::skip_window_loads_behind() {
@@ -548,8 +569,29 @@ llama_expert_fast_path::result llama_expert_fast_path::copy_loads(int32_t layer,
     return SERVED;
 }
 
-// load i's copy, role by role, from its RAM block to its slot (false with error set; the caller abandons)
+// load i's copy, role by role, from its RAM block to its slot (a window's: from the expert's pool slot when it has
+// one) (false with error set; the caller abandons)
 bool llama_expert_fast_path::copy_load(int32_t i, std::string & error) {
+    const int32_t from_slot = loads_are_windows && i < (int32_t) load_pool_slots.size() ? load_pool_slots[i] : -1;
+    if (from_slot >= 0) {
+        for (const auto & span : spans_of_layer.at(load_keys[2*i])) {
+            char * dst = pool_base + span.pool_offset + (uint64_t) load_slots[i] * span.slot_stride;
+            const char * src = pool_base + span.pool_offset + (uint64_t) from_slot * span.slot_stride;
+            if (h2d == nullptr) {
+                memcpy(dst, src, span.nbytes);
+            } else if (const int32_t rc = d2d((uint64_t) (uintptr_t) dst, (uint64_t) (uintptr_t) src, span.nbytes, stream);
+                       rc != 0) {
+                sync(stream);
+                error = "copying expert " + std::to_string(load_keys[2*i + 1]) + " from pool slot " +
+                        std::to_string(from_slot) + " to its window failed (CUDA error " + std::to_string(rc) + ")";
+                return false;
+            } else {
+                counts.d2d_bytes += span.nbytes;
+            }
+        }
+        counts.window_from_pool++;
+        return true;
+    }
     for (const auto & span : spans_of_layer.at(load_keys[2*i])) {
         char * dst = pool_base + span.pool_offset + (uint64_t) load_slots[i] * span.slot_stride;
         const char * src = blocks[load_blocks[i]] + span.block_offset;

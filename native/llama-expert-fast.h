@@ -106,6 +106,9 @@ private:
     int32_t               first_layer = 0;
     char *                pool_base = nullptr;
     llama_expert_h2d_fn   h2d = nullptr;
+    llama_expert_d2d_fn   d2d = nullptr;
+    bool                  window_from_pool = true; // a window's experts in the pool copied from there (env
+                                                   // LLAMAPACK_WINDOW_FROM_POOL=0: from RAM, an experiment's knob)
     llama_expert_sync_fn  sync = nullptr;
     void *                stream = nullptr;
     double                upload_share = -1.0;
@@ -127,6 +130,7 @@ private:
     bool claim_windows(int32_t n_window, std::string & error);
     bool copy_used_window_loads(int32_t layer, std::string & error); // the loads behind that the step's keys use
     void skip_window_loads_behind();                                 // a window's loads behind, never copied
+    void find_window_loads_in_pool(int32_t n_window);                // load_pool_slots of the window loads
 
     llama_expert_fast_path_stats counts = {};
 
@@ -134,6 +138,7 @@ private:
     std::vector<int32_t> position;  // expert id -> index among the step's distinct keys, -1: not in the step
     std::vector<int32_t> keys;      // distinct keys [n][2] in first-seen order
     std::vector<int32_t> out_keys, out_slots, evicted_keys, evicted_slots, load_keys, load_slots, load_blocks;
+    std::vector<int32_t> load_pool_slots; // window loads: the expert's pool slot to copy from (-1: its RAM block)
     std::vector<uint8_t> hits;
     std::vector<uint8_t> on_cpu;           // per distinct key: computed on the CPU this step (hybrid)
     std::vector<int32_t> pool_keys, key_slot, key_block, cpu_keys, cpu_key_blocks;

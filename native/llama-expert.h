@@ -205,7 +205,10 @@ LLAMA_EXPERT_API int32_t llama_expert_policy_load_ahead(struct llama_expert_poli
 // before, with nothing changed. A failed copy abandons the step's loads (their slots hold no expert) and
 // fails the decode.
 // h2d: NULL for a host pool (memcpy); else cuMemcpyHtoDAsync_v2's signature, with sync cuStreamSynchronize's.
+// d2d (API 14): cuMemcpyDtoDAsync_v2's signature, for a layer window's experts already in the pool; NULL: a
+// device pool copies them from RAM too (a host pool uses memcpy either way).
 typedef int32_t (*llama_expert_h2d_fn)(uint64_t dst, const void * src, size_t nbytes, void * stream);
+typedef int32_t (*llama_expert_d2d_fn)(uint64_t dst, uint64_t src, size_t nbytes, void * stream);
 typedef int32_t (*llama_expert_sync_fn)(void * stream);
 
 // one role of a layer's experts: the slot's bytes start at pool base + pool_offset + slot * slot_stride, the
@@ -230,6 +233,7 @@ struct llama_expert_fast_path_desc {
     llama_expert_h2d_fn          h2d;
     llama_expert_sync_fn         sync;
     void *                       stream;
+    llama_expert_d2d_fn          d2d;             // (API 14) may be NULL
 };
 
 struct llama_expert_fast_path_stats {
@@ -251,6 +255,8 @@ struct llama_expert_fast_path_stats {
     double   ahead_early_s; // issuing those copies (inside copy_s)
     int64_t  window_skipped; // (API 14) layer windows: experts planned into a window and never copied (their step
                              // did not use them, or no window step came), with ahead_unused the waste avoided
+    uint64_t d2d_bytes;      // (API 14) layer windows: bytes copied into a window from the expert's pool slot
+    int64_t  window_from_pool; // (API 14) layer windows: experts copied into a window from their pool slot
 };
 
 // desc NULL: off. The policies and blocks must outlive the fast path (set NULL before freeing them).

@@ -143,7 +143,8 @@ def run(spec: dict) -> dict:
     if spec["mode"] == "lazy_no_provider":
         llm.close()
         return result
-    logits = greedy_logits(llm, prompt, spec["n_decode"])
+    logits = np.concatenate([greedy_logits(llm, prompt, spec["n_decode"])  # rounds: the same request again
+                             for _ in range(spec.get("rounds", 1))])
     np.save(spec["out"], logits)
     result.update(n_rows=int(logits.shape[0]), max_rss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if provider is not None:

@@ -501,3 +501,25 @@ def test_layer_windows_load_nothing_for_a_last_layer_that_takes_no_window(models
     n_window_ubatches = N_PROMPT // n_ubatch
     assert stats["ahead_loads"] == n_window_ubatches * (n_layer - 2) * n_expert  # every layer but the first and last
     assert stats["window_skipped"] == stats["ahead_unused"]
+
+
+def test_layer_windows_copy_the_experts_the_pool_holds_from_their_slots(models, tmp_path):
+    """The same request twice (prompt in 7-token ubatches, then decode): by the second prompt the pool (three
+    layers' experts) holds experts outside the windows' slots, and a window load of such an expert copies it from its slot (a host pool: memcpy;
+    a GPU pool: device to device) instead of from the RAM tier. Vanilla's logits for the same two requests: a
+    copy from a wrong slot would change them."""
+    from hookutil import logits
+    from llamapack.synth import PRESETS as SPECS
+
+    preset, n_ubatch = "qwen3moe-tiny", 7
+    n_expert, model = SPECS[preset].n_expert, models[preset][0]
+    want, _ = logits(spec_for(model, n_ubatch, tmp_path / "vanilla.npy", mode="vanilla", rounds=2), tmp_path,
+                     vanilla=True)
+    streaming = dict(stage_slots=3, ram_cache_mib=tier_mib(models, preset, n_keys(preset)), ram_preload=True,
+                     layer_windows_min_tokens=2)
+    out = tmp_path / "windows.npy"
+    spec = spec_for(model, n_ubatch, out, provider="streaming", n_slots=3 * n_expert,  # decode fills it past them
+                    streaming=streaming, rounds=2, **source_spec(models, preset, "pack"))
+    stats = run_self(spec, tmp_path)["stats"]
+    assert np.array_equal(np.load(out), want)
+    assert stats["window_from_pool"] > 0 and stats["d2d_bytes"] == 0  # host pool: memcpy, no device copies

@@ -101,7 +101,8 @@ def provider_worker(spec: dict) -> dict:
             original.seek(spec["truncate_at"])
             f.write(original.read())
     if spec.get("n_decode") is not None:
-        np.save(spec["out"], greedy_logits(llm, prompt, spec["n_decode"]))
+        np.save(spec["out"], np.concatenate([greedy_logits(llm, prompt, spec["n_decode"])  # rounds: the same request again
+                                             for _ in range(spec.get("rounds", 1))]))
     result.update(stats=provider.stats(), trace=trace, final_resident=sorted(provider.policy.resident().items()),
                   final_ram_resident=sorted(provider.tier.resident().items()) if provider.tier else [])
     provider.close()

@@ -109,7 +109,7 @@ def test_json_has_every_counter_and_the_derived_numbers():
                          "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes",
                          "prefetch_cancelled", "ram_preloaded", "ram_preload_bytes", "native_steps",
                          "cpu_experts", "cpu_s", "ahead_loads", "ahead_unused", "ahead_early", "ahead_early_s",
-                         "window_skipped",
+                         "window_skipped", "window_from_pool", "d2d_bytes",
                          "pool_preloaded", "hit_rate", "read_bytes_per_token",
                          "h2d_bytes_per_token", "lookahead_accuracy"}
 

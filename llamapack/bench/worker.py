@@ -123,7 +123,8 @@ COUNTER_DELTAS = ("cache_hits", "cache_misses", "cache_evictions", "pack_read_by
                   "prefetch_reads", "prefetch_used", "prefetch_wasted", "prefetch_wasted_bytes", "prefetch_cancelled",
                   "lookahead_s", "provider_calls", "prefetch_calls", "provider_call_s", "prefetch_call_s",
                   "cpu_experts", "cpu_s", "lookup_steps", "whole_pool_steps", "ahead_loads", "ahead_unused",
-                  "ahead_early", "ahead_early_s", "window_skipped")
+                  "ahead_early", "ahead_early_s", "window_skipped",
+                  "window_from_pool", "d2d_bytes")
 
 
 def delta(after: dict, before: dict) -> dict:

@@ -55,9 +55,10 @@ class HostCopier:
     def synchronize(self) -> None:
         pass
 
-    def native_copy_functions(self) -> tuple[None, None, int]:
-        """For libllama's fast path: (no h2d function, no sync function, no stream): it copies with memcpy."""
-        return None, None, 0
+    def native_copy_functions(self) -> tuple[None, None, int, None]:
+        """For libllama's fast path: (no h2d function, no sync function, no stream, no d2d function): it copies
+        with memcpy."""
+        return None, None, 0, None
 
     def close(self) -> None:
         self.buffers = []
@@ -145,19 +146,20 @@ class CudaCopier:
         with self._cupy.cuda.Device(self.device):
             self.stream.synchronize()
 
-    def native_copy_functions(self) -> tuple[int, int, int] | None:
+    def native_copy_functions(self) -> tuple[int, int, int, int] | None:
         """For libllama's fast path: the addresses of the CUDA driver's cuMemcpyHtoDAsync_v2 and
-        cuStreamSynchronize, and this copier's stream (it runs in the thread that calls llama_decode, whose
+        cuStreamSynchronize, this copier's stream and cuMemcpyDtoDAsync_v2 (it runs in the thread that calls llama_decode, whose
         current context is the device's primary one, as CuPy's); None when the driver library cannot be
         opened (the fast path then serves only all-hit steps)."""
         try:
             driver = ctypes.CDLL("libcuda.so.1")
-            functions = (driver.cuMemcpyHtoDAsync_v2, driver.cuStreamSynchronize)
+            functions = (driver.cuMemcpyHtoDAsync_v2, driver.cuStreamSynchronize, driver.cuMemcpyDtoDAsync_v2)
         except (OSError, AttributeError) as exc:
             log.warning("the CUDA driver's copy functions are not available (%s): RAM-tier copies stay in Python",
                         exc)
             return None
-        return (*(ctypes.cast(function, ctypes.c_void_p).value for function in functions), self.stream.ptr)
+        h2d, sync, d2d = (ctypes.cast(function, ctypes.c_void_p).value for function in functions)
+        return h2d, sync, self.stream.ptr, d2d
 
     def close(self) -> None:
         """Wait for the copies, then give the pinned memory back to the driver."""

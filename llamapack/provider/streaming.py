@@ -189,13 +189,14 @@ class StreamingProvider:
         in the RAM tier. Its counts join ours (``native_steps``)."""
         copy_functions = self._copier.native_copy_functions()
         tier = self.tier if copy_functions is not None else None
-        h2d, sync, stream = copy_functions if copy_functions is not None else (None, None, 0)
+        h2d, sync, stream, d2d = copy_functions if copy_functions is not None else (None, None, 0, None)
         spans = [(layer, *span) for layer, layer_spans in self._copy_spans.items() for span in layer_spans]
         self._fast_path_arrays = native.set_fast_path(
             self._ctx, self.policy, tier.policy if tier is not None else None,
             tier_holds_every_key=tier is not None and tier.holds_every_key,
             block_addrs=[self._copier.buffers[block].ctypes.data for block in range(tier.n_blocks)] if tier else [],
-            copy_spans=spans if tier else [], first_layer=self._first_layer, h2d=h2d, sync=sync, stream=stream)
+            copy_spans=spans if tier else [], first_layer=self._first_layer, h2d=h2d, sync=sync, stream=stream,
+            d2d=d2d)
         self.counters.external = self._fast_path_counts
         self._fast_has_tier = tier is not None
 
