@@ -32,15 +32,17 @@ ARCHS = ("qwen3moe-tiny", "deepseek2-tiny", "deepseek2-tiny-fused", "gpt-oss-tin
 
 def compare(preset: str, n_ubatch: int, model: Path, vanilla_lib: Path, patched_lib: Path, tmp: Path,
             device: int = 0, n_prompt: int = 64, provider: str = "reference", sources=("gguf",),
-            streaming: dict | None = None, pool_layers: int = 0) -> list[dict]:
+            streaming: dict | None = None, pool_layers: int = 0, rounds: int = 1) -> list[dict]:
     """One case per source (``gguf``: GGUF-direct, ``pack``: the model's expert pack), all against one
     vanilla run. ``pool_layers``: a pool of that many layers' experts (every layer's: the model's layer count)
     instead of the smallest one; a pool whose slot count differs from a layer's expert count makes the
-    multi-token kernels (MMQ) see another expert count than vanilla's."""
+    multi-token kernels (MMQ) see another expert count than vanilla's. ``rounds``: the request (prompt, 32 decoded
+    tokens) made that many times in a row, each from an empty context (a later prompt finds the pool filled)."""
     spec = PRESETS[preset]
     n_slots = spec.n_expert * min(pool_layers, spec.n_layer) if pool_layers else \
         min(spec.n_expert, spec.n_expert_used * n_ubatch)
-    base = dict(model=str(model), n_ubatch=n_ubatch, n_prompt=n_prompt, n_decode=32, n_gpu_layers=99, n_threads=4)
+    base = dict(model=str(model), n_ubatch=n_ubatch, n_prompt=n_prompt, n_decode=32, n_gpu_layers=99, n_threads=4,
+                rounds=rounds)
     t0 = time.time()
     want, _ = logits(dict(base, mode="vanilla", out=str(tmp / "v.npy")), tmp, lib_dir=vanilla_lib)
     noprov, _ = logits(dict(base, mode="vanilla", out=str(tmp / "p.npy")), tmp, lib_dir=patched_lib)
@@ -75,7 +77,9 @@ def case(preset, provider, source, n_ubatch, n_prompt, n_slots, n_expert, want, 
                 read_engine=stats.get("read_engine", "-"), native_steps=stats.get("native_steps", 0),
                 lookup_steps=stats.get("lookup_steps", 0), whole_pool_steps=stats.get("whole_pool_steps", 0),
                 whole_pool_span=stats.get("whole_pool_span", 0), acquires=stats.get("acquires", 0),
-                ahead_loads=stats.get("ahead_loads", 0), seconds=round(seconds, 1))
+                ahead_loads=stats.get("ahead_loads", 0), window_skipped=stats.get("window_skipped", 0),
+                window_from_pool=stats.get("window_from_pool", 0), d2d_bytes=stats.get("d2d_bytes", 0),
+                seconds=round(seconds, 1))
 
 
 def markdown(results: list[dict]) -> str:
@@ -131,6 +135,8 @@ def main() -> int:
                         help="streaming provider: layer windows for ubatches of at least this many tokens (0: off; "
                              "needs --ram-cache-mib for every expert and --ram-preload)")
     parser.add_argument("--device", type=int, default=0, help="GPU for the slot pool (-1: host pool, a CPU dry run)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the request made this many times in a row (later prompts find the pool filled)")
     parser.add_argument("--pool-layers", type=int, default=0,
                         help="a pool of this many layers' experts instead of the smallest (e.g. every layer's)")
     args = parser.parse_args()
@@ -145,7 +151,7 @@ def main() -> int:
                 try:
                     cases = compare(preset, n_ubatch, model, args.vanilla_lib, args.patched_lib, tmp, args.device,
                                     args.n_prompt, args.provider, args.sources,
-                                    streaming_settings(args), args.pool_layers)
+                                    streaming_settings(args), args.pool_layers, args.rounds)
                 except AssertionError as exc:  # a worker crashed: record it, go on with the rest
                     cases = [dict(preset=preset, n_ubatch=n_ubatch, error=str(exc)[-2000:])]
                 for r in cases:

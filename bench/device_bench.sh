@@ -222,13 +222,14 @@ whole-pool-check)  # the whole-pool stage's CUDA bit-exactness alone (no model),
 windows-check)  # layer windows' and load-ahead's CUDA bit-exactness (a RAM tier that holds every expert, filled at
                # start; a pool of 3 layers' experts; n_ubatch 7 and 512); each case logged as it ends. MODEL=1: the
                # model written meanwhile (a later stage in the same call finds it); ARCHS: the tiny archs to check;
-               # SKIP_LOAD_AHEAD=1: the windows' check only
+               # SKIP_LOAD_AHEAD=1: the windows' check only; BX_ROUNDS=2: each request twice (the second prompt's
+               # windows copy the experts the pool holds from their slots)
     [ -z "${MODEL:-}" ] || start_model "${SKEW:-0}"
     build_cuda
     python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_bitexact_windows.json" --provider streaming --sources pack --ubatch 7 512 \
         --archs ${ARCHS:-qwen3moe-tiny mixtral-tiny gpt-oss-tiny deepseek2-tiny} --ram-cache-mib 256 --ram-preload \
-        --layer-windows 2 --pool-layers 3 > "$out/cuda_bitexact_windows.log" 2>&1
+        --layer-windows 2 --pool-layers 3 ${BX_ROUNDS:+--rounds $BX_ROUNDS} > "$out/cuda_bitexact_windows.log" 2>&1
     tail -2 "$out/cuda_bitexact_windows.log"
     [ -n "${SKIP_LOAD_AHEAD:-}" ] || python3 bench/cuda_bitexact.py --vanilla-lib "$build/vanilla" --patched-lib "$build/patched" \
         --out "$out/cuda_bitexact_load_ahead.json" --provider streaming --sources pack --ubatch 7 512 \
