@@ -115,16 +115,8 @@ def test_bench_replays_the_trace_through_the_real_provider(tmp_path):
     # the rows the bench consumed: first the warm-up prompt (16 tokens, nothing decoded) of the trace request
     # after the measured ones (2 mod 2: request 0), as upstream's; then per request, its prompt's prefill rows,
     # then n_decode - 1 decode rows, cycled
-    def request_steps(index: int, n_prompt: int, n_decoded: int) -> list:
-        first, end = trace.request_bounds()[index % 2]
-        prefill = trace.experts[first:end][trace.prefill[first:end]]
-        decode = trace.experts[first:end][~trace.prefill[first:end]]
-        tokens = [prefill[t % len(prefill)] for t in range(n_prompt)] + [decode[t % len(decode)] for t in range(n_decoded)]
-        return [[(layer, int(e)) for e in token[position]]  # the last layer computes only tokens with an output
-                for t, token in enumerate(tokens) for position, layer in enumerate((1, 2)) if layer == 1 or t >= n_prompt - 1]
-
-    warmup = request_steps(len(prompts), 16, 0)
-    steps = warmup + [step for index, n_prompt in enumerate(prompts) for step in request_steps(index, n_prompt, n_decode - 1)]
+    warmup = bench_steps(trace, [(len(prompts), 16, 0)])
+    steps = warmup + bench_steps(trace, [(index, n_prompt, n_decode - 1) for index, n_prompt in enumerate(prompts)])
     assert data["workload"]["warmup_tokens"] == 16
     for name in ("pack-25%", "pack-25%+ram50%"):
         run = next(r for r in data["runs"] if r["config"]["name"] == name)
@@ -192,7 +184,8 @@ def test_warm_run_starts_from_its_priming_session(tmp_path):
     """``pack-25%+warm``: a priming process serves trace request 2 (the prompts replay requests 0 and 1), saves its
     popularity; the measured process loads the hottest experts at start-up. Its counters must equal NextUse's
     replay of exactly that: the priming steps, the popularity saved (rounded as the file rounds it), a fresh policy
-    seeded with it and preloaded with the hottest keys, then the measured steps. Its cold twin reads nothing at load."""
+    seeded with it and preloaded with the hottest keys, then the measured steps. Its cold twin reads nothing at load.
+    No warm-up prompt (``--warmup-tokens 0``): the first measured request is the process's first."""
     from llamapack.cache_policy import DEFAULT_POLICY
     from llamapack.pack import build_pack
     from llamapack.provider.warm import hottest
@@ -206,7 +199,7 @@ def test_warm_run_starts_from_its_priming_session(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "llamapack", "bench", str(model), "-o", str(out), "-n", str(n_decode),
          "--prompt-lengths", ",".join(map(str, prompts)), "-ub", "1", "--routing", str(tmp_path / "trace.npz"),
-         "--warm-tokens", "6", "--configs", "pack-25%,pack-25%+warm"],
+         "--warm-tokens", "6", "--warmup-tokens", "0", "--configs", "pack-25%,pack-25%+warm"],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())

@@ -91,7 +91,8 @@ LIMITED_UPSTREAM_DECODE, LIMITED_UPSTREAM_TIMEOUT_S = 32, 240.0
 @click.option("--prompt-lengths", callback=_numbers(int), default="32,512", show_default=True)
 @click.option("--warmup-tokens", type=click.IntRange(min=0), default=16, show_default=True,
               help="Before the measured requests, each run evaluates a prompt of this many tokens and throws it away, "
-                   "as upstream's llama-batched-bench does (first-use costs: CUDA modules, cuBLAS); 0: none.")
+                   "as upstream's llama-batched-bench does (first-use costs: CUDA modules, cuBLAS); 0: none (e.g. to "
+                   "measure a +warm run's first request as a process's first).")
 @click.option("-n", "--n-decode", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--decode-cap-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="A request stops decoding after this many seconds (slow runs still give a rate).")
