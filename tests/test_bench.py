@@ -372,6 +372,23 @@ def test_report_arithmetic_on_hand_built_results(tmp_path):
     assert "| pack-25%@8G | 2.00 | 1.00 | 2.00x |" in text
 
 
+def test_a_prompt_length_given_twice_reports_its_later_prompt():
+    """--prompt-lengths 512,512,32: the second 512-token prompt (first-use costs paid by the first) is the one in
+    the table, in one column, and the workload line says so."""
+    results = results_by_hand()
+    results["workload"]["prompt_lengths"] = [8, 8, 4]
+    results["workload"]["warmup_tokens"] = 16
+    results["runs"] = results["runs"][:1]
+    results["runs"][0]["requests"] = [request(8, ["a"], 0, 0.0, prefill_s=2.0), request(8, ["a"], 0, 0.0, prefill_s=0.5),
+                                      request(4, ["b"], 0, 0.0, prefill_s=0.5)]
+    (row,) = summaries(results)
+    assert row.prefill_tok_s == {8: 16.0, 4: 8.0}
+    text = markdown(results)
+    assert text.count("prefill 8 tok/s") == 1 and "| 16.0 | 8.0 |" in text
+    assert "prompts of 8, 8, 4 tokens (a length given twice: the table shows its later prompt)" in text
+    assert "each run first evaluates a 16-token prompt it throws away" in text
+
+
 def test_digests_of_other_prompts_are_not_compared():
     a = dict(requests=[request(8, ["a"], 0, 0.0)])
     b = dict(requests=[request(9, ["a"], 0, 0.0)])

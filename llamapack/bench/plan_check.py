@@ -233,7 +233,7 @@ def bench_request_loads(run: dict, shape: ModelShape, trace, budgets: Budgets, p
                                            ssd_step_misses=0.0, ssd_first_reads=0.0) for l in pair) for pair in loads]
     prefill: dict = {}
     for n, (per_ubatch, _) in zip(prompts, loads):
-        prefill.setdefault(n, per_ubatch)
+        prefill[n] = per_ubatch  # a length given twice: its later prompt's, the one the report shows
     return prefill, [(n, per_token) for n, (_, per_token) in zip(decoded, loads)]
 
 
@@ -303,7 +303,7 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
     prompts = hits.prompt_trace(shape, cache_dir)
     runs, rows = first_runs(results), combine(summaries(results))
     n_ubatch = results["workload"].get("n_ubatch", 512)
-    lengths = results["workload"]["prompt_lengths"]
+    lengths = list(dict.fromkeys(results["workload"]["prompt_lengths"]))  # a repeated length: its last prompt
     disks = bench_disk_rates(results)
     decode_rows, prefill_rows = [], []
     for row in rows:
@@ -325,7 +325,8 @@ def compare(results: dict, shape: ModelShape, machine: Machine, costs: Costs = D
         plan_own = recommend.predict(shape, here, row.name, budgets, trace, 0, costs, prefill_lengths=measured_lengths,
                                      policy=policy, prompt_source=prompts)
         preloaded = bool(config.get("ram_preload"))
-        first = [run["requests"][0]["n_prompt"]] if run["requests"] else []
+        all_lengths = [r["n_prompt"] for r in run["requests"]]
+        first = all_lengths[:1] if all_lengths and all_lengths.count(all_lengths[0]) == 1 else []  # cold: measured first
         bench_prefill, bench_decode = bench_request_loads(run, shape, trace, budgets, policy, preloaded, prompts,
                                                           warm_popularity(results, run, budgets, policy, repo))
         prediction = recommend.predict(shape, here, row.name, budgets, trace, 0, costs, prefill_lengths=measured_lengths,

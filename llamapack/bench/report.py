@@ -285,7 +285,8 @@ def markdown(results: dict) -> str:
     runs = summaries(results)
     rows = combine(runs)
     n_rounds = results["workload"].get("rounds", 1)
-    lengths = results["workload"]["prompt_lengths"]
+    given = results["workload"]["prompt_lengths"]
+    lengths = list(dict.fromkeys(given))  # a length given twice: the figures of its later prompt
     disk = results.get("disk", {})
     lines = [f"# llamapack bench: {Path(results['model']['path']).name}", "",
              f"Command: `{results.get('command', '')}`", "",
@@ -299,7 +300,9 @@ def markdown(results: dict) -> str:
                 if results.get("disk_after") else "")
              + f" (O_DIRECT random reads of one expert block, {disk.get('threads')} at once, "
              f"{_f(disk.get('seconds'), '.1f')} s)",
-             f"Workload: {_workload_kind(results['workload'])}, prompts of {', '.join(map(str, lengths))} tokens, up to "
+             f"Workload: {_workload_kind(results['workload'])}, prompts of {', '.join(map(str, given))} tokens"
+             + (" (a length given twice: the table shows its later prompt)" if len(given) > len(lengths) else "")
+             + f", up to "
              f"{results['workload']['n_decode']} tokens each (decode stops after {results['workload']['decode_cap_s']:g} s), "
              f"n_ubatch {results['workload']['n_ubatch']}"
              + (f"; each run first evaluates a {results['workload']['warmup_tokens']}-token prompt it throws away "
