@@ -90,7 +90,10 @@ class StreamingSettings:
     the pool). Same experts, same bytes: bit-exact on CPU (tests/test_host_tier.py) and on CUDA (round 18, three
     tiny archs, n_ubatch 7 and 512). No faster so far: 2% off the 512-token prefill at 25% on an H100 (Qwen3-30B
     shape, replayed routing-model trace), where the prompt is bound by the host-to-device copies (every expert
-    of every layer, 16.3 GB) and not by compute (bench/results/gpu_round18_README.md).
+    of every layer, 16.3 GB) and not by compute (bench/results/gpu_round18_README.md). Since API 14 a window
+    copies fewer bytes: the experts its step does not use are skipped unless their copies started early (all do
+    on a GPU unless LLAMAPACK_WINDOW_EARLY caps them), and experts the pool holds are copied from their slot on
+    the GPU instead of over PCIe (docs/hook.md).
     """
 
     cache_vram_mib: float | None = None
