@@ -42,6 +42,8 @@
 #   CUDA bit-exactness (tiny archs, no model)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 CONFIGS=... UPSTREAM_RUNS=... bash bench/device_bench.sh peer", ...)
 #   # the builds (prebuilt where carried), the model, then bench beside upstream's runs (gpu_round16_README.md)
+#   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round19", ...)  # API 14's windows and
+#   the warm-up prompt against upstream (see the stage; ~8 minutes with the prebuilt libs)
 #   run(command="export OUT; MODEL_NAME=q30b-skew0 bash bench/device_bench.sh round15", ...)  # both builds, ours
 #   packed into $OUT for a later cold machine (bench/pack_cuda_libs.sh; UPSTREAM_PACK=1: upstream's), whole-pool and load-ahead CUDA
 #   bit-exactness, the model; then bench with UPSTREAM=1 and +ahead configs (gpu_round15_README.md)
@@ -278,6 +280,28 @@ peer)  # a same-run comparison with upstream b11549: our libs and upstream's bin
     build_cuda
     wait_for_model; wait; tail -1 "$out/upstream_build.out"
     UPSTREAM=1 bash "$repo/bench/device_bench.sh" bench 2>&1 | tail -30
+    ;;
+round19)  # API 14's layer windows and the bench's warm-up prompt (written 2026-12-08, not yet run on CUDA): the
+         # windows' CUDA bit-exactness with the early start capped (LLAMAPACK_WINDOW_EARLY=3: each step copies the
+         # rest it uses) and each request twice (a later prompt's windows copy from the pool), the model meanwhile;
+         # then the bench beside upstream's cache at 25% (a 16-token warm-up prompt, then 512, 512 and 32 tokens),
+         # and the windows again with LLAMAPACK_WINDOW_EARLY=32 and 0. Nested stages write under WORK_OUT
+         # (default /tmp/round19-out); the JSON files come back as $OUT/round19-*.json (8 files at most)
+    final="$out"; export OUT="${WORK_OUT:-/tmp/round19-out}"; mkdir -p "$OUT"
+    trace="$repo/bench/results/q30b_routing_model_seed0.trace.npz"
+    LLAMAPACK_WINDOW_EARLY=3 BX_ROUNDS=2 MODEL=1 SKIP_LOAD_AHEAD=1 \
+        ARCHS="${ARCHS:-qwen3moe-tiny mixtral-tiny gpt-oss-tiny}" bash "$repo/bench/device_bench.sh" windows-check 2>&1 | tail -3
+    cp "$OUT/cuda_bitexact_windows.json" "$final/round19-bitexact-windows.json"
+    common=(TEMPERATURE=1 DECODE_CAP_S=1 ROUTING="$trace" PROMPT_LENGTHS=512,512,32)
+    env "${common[@]}" TAG=peer UPSTREAM_RUNS="${UPSTREAM_RUNS:-upstream-vram,upstream-cache-25%}" \
+        CONFIGS="${CONFIGS:-vanilla-vram,pack-25%+ram+preload,pack-25%+ram+preload+ahead,pack-25%+ram+preload+windows}" \
+        bash "$repo/bench/device_bench.sh" peer 2>&1 | tail -16
+    cp "$OUT/bench-peer/bench.json" "$final/round19-peer.json"
+    for early in 32 0; do
+        env "${common[@]}" LLAMAPACK_WINDOW_EARLY=$early TAG=early$early CONFIGS='pack-25%+ram+preload+windows' \
+            bash "$repo/bench/device_bench.sh" bench 2>&1 | tail -3
+        cp "$OUT/bench-early$early/bench.json" "$final/round19-early$early.json"
+    done
     ;;
 replay-granite)  # the replay stage for the granite-shaped model only (no Qwen3-30B model, no upstream build)
     (lp synth granite-1b-a400m-shape -o "$work/granite.gguf" > "$out/granite.log" 2>&1 \
