@@ -252,6 +252,9 @@ def test_hot_path_and_warm_start_tables():
     assert "| pack-50%@8G | 2.00 | 0 | 8 | 3.00 | 0.0% / 75.0% / 53.6% | 16 | – |" in section
     assert "| pack-50%+warm@8G | 2.50 | 8 | 8 | 1.50 | 75.0% / 87.5% / 83.9% | 4 | 1, 5, 9.0 |" in section
     assert "served requests 2 (3 prompt + up to 5 decode tokens) of `prime.npz` (a trace of other requests)" in text
+    assert "warm-up prompt" not in section
+    results["workload"]["warmup_tokens"] = 16  # said: the cold twin's caches were warmed by it
+    assert "Each run evaluated a 16-token warm-up prompt before it" in markdown(results).split("## Warm start")[1]
     results["runs"].remove(cold)
     assert "| pack-50%@8G | not run (the cold twin) |" in markdown(results)
 

@@ -370,7 +370,8 @@ def markdown(results: dict) -> str:
                        if native_row and native_row.decode_tok_s and row.decode_tok_s else None)
             lines.append(f"| {row.name.replace('+pyreads', '')} | {_f(native_row.decode_tok_s if native_row else None)} "
                          f"| {_f(row.decode_tok_s)} | {_f(speedup)}x |")
-    lines += hot_path_lines(rows, by_name) + warm_start_lines(rows, by_name) + hybrid_lines(rows)
+    lines += hot_path_lines(rows, by_name) + warm_start_lines(rows, by_name, results["workload"].get("warmup_tokens", 0))
+    lines += hybrid_lines(rows)
     lines += ["", "## Where decode time went (ms per token)", "",
               "| run | waiting on reads | waiting on copies | rest of the provider | lookahead callback "
               "| entering the callbacks | outside the provider |",
@@ -441,9 +442,10 @@ def hot_path_lines(rows: list[RunSummary], by_name: dict) -> list[str]:
     return lines
 
 
-def warm_start_lines(rows: list[RunSummary], by_name: dict) -> list[str]:
+def warm_start_lines(rows: list[RunSummary], by_name: dict, warmup_tokens: int = 0) -> list[str]:
     """``+warm`` runs and their cold twins (the same name without ``+warm``): the first request's TTFT and hit
-    rates, and the start-up, where the warm start's reads happen."""
+    rates, and the start-up, where the warm start's reads happen. ``warmup_tokens``: the warm-up prompt each run
+    evaluated before its first request (it warms the cold twin's caches too)."""
     warm = [row for row in rows if row.ok and "+warm" in row.name]
     if not warm:
         return []
@@ -451,7 +453,10 @@ def warm_start_lines(rows: list[RunSummary], by_name: dict) -> list[str]:
              "A +warm run starts from the popularity a priming session saved (trace requests the measured prompts do "
              "not replay) and reads its hottest experts into the pool (and RAM tier) **while loading**, before the "
              "first request: those reads are in *load s* and *MiB read at load*, not in the TTFT. TTFT: the first "
-             "request's prefill, its waits on the SSD included; hit rates: the first request's pool hits.", "",
+             "request's prefill, its waits on the SSD included; hit rates: the first request's pool hits."
+             + (f" Each run evaluated a {warmup_tokens}-token warm-up prompt before it (`--warmup-tokens`): the cold "
+                "twin's caches were not empty at its first request (`--warmup-tokens 0` measures a process's first)."
+                if warmup_tokens else ""), "",
              "| run | load s | MiB read at load | first prompt tokens | first-request TTFT s | first-request hit rate: "
              "prefill / decode / all | SSD MiB read in the first request | priming: requests, tokens decoded, s |",
              "|---|---|---|---|---|---|---|---|"]
