@@ -285,9 +285,11 @@ round19)  # API 14's layer windows and the bench's warm-up prompt (written 2026-
          # windows' CUDA bit-exactness with the early start capped (LLAMAPACK_WINDOW_EARLY=3: each step copies the
          # rest it uses) and each request twice (a later prompt's windows copy from the pool), the model meanwhile;
          # then the bench beside upstream's cache at 25% (a 16-token warm-up prompt, then 512, 512 and 32 tokens),
-         # and the windows again with LLAMAPACK_WINDOW_EARLY=32 and 0. Nested stages write under WORK_OUT
+         # and the windows again with LLAMAPACK_WINDOW_EARLY=32 and 0; first bench/h2d_pieces.py (is a window's
+         # 46.6 GB/s the cost of one copy per role and expert?). Nested stages write under WORK_OUT
          # (default /tmp/round19-out); the JSON files come back as $OUT/round19-*.json (8 files at most)
     final="$out"; export OUT="${WORK_OUT:-/tmp/round19-out}"; mkdir -p "$OUT"
+    python3 bench/h2d_pieces.py > "$final/round19-h2d-pieces.json" 2>&1; tail -12 "$final/round19-h2d-pieces.json"
     trace="$repo/bench/results/q30b_routing_model_seed0.trace.npz"
     LLAMAPACK_WINDOW_EARLY=3 BX_ROUNDS=2 MODEL=1 SKIP_LOAD_AHEAD=1 \
         ARCHS="${ARCHS:-qwen3moe-tiny mixtral-tiny gpt-oss-tiny}" bash "$repo/bench/device_bench.sh" windows-check 2>&1 | tail -3
