@@ -70,8 +70,9 @@ def main() -> int:
     def contiguous():
         runtime.memcpyAsync(dst0, src0, total, h2d, stream.ptr)
 
+    gpu = runtime.getDeviceProperties(0)["name"]
     results = {"experts": args.experts, "role_bytes": roles, "bytes": total,
-               "gpu": runtime.getDeviceProperties(0)["name"].decode()}
+               "gpu": gpu.decode() if isinstance(gpu, bytes) else str(gpu)}
     for name, issue in (("pieces", by_pieces), ("per_role_2d", per_role_2d), ("contiguous", contiguous)):
         best_s, issue_s = float("inf"), float("inf")
         for _ in range(args.repeats):
