@@ -9,10 +9,10 @@ requests of ``spec["warm"]`` and saves the popularity at close), then the measur
 that folder. Every other config starts cold and saves nothing.
 
 Before them, a thrown-away warm-up prompt of ``spec["warmup_tokens"]`` tokens (``warm_up``; upstream's
-batched-bench makes the same). Each prompt is one request from an empty context: evaluate the prompt (prefill; its end is the time to
-first token), then decode one token per eval until ``n_decode`` tokens or ``decode_cap_s``: greedy, or with
-``temperature`` > 0 sampled from softmax(logits / T) by a generator seeded per request, so runs with the
-same logits pick the same tokens. The logits of every step are hashed, so runs that should compute the same
+batched-bench makes the same). Each prompt is one request from an empty context: evaluate the prompt (prefill;
+its end is the time to first token), then decode one token per eval until ``n_decode`` tokens or
+``decode_cap_s``: greedy, or with ``temperature`` > 0 sampled from softmax(logits / T) by a generator seeded per
+request, so runs with the same logits pick the same tokens. The logits of every step are hashed, so runs that should compute the same
 bits can be compared exactly.
 """
 from __future__ import annotations
@@ -181,18 +181,13 @@ def run_request(llm, tokens: list[int], n_decode: int, decode_cap_s: float, temp
 
 
 def warm_up(llm, n_tokens: int, replay=None, request_index: int = 0) -> dict:
-    """upstream llama-batched-bench's warm-up, ours: a prompt of ``n_tokens`` evaluated and thrown away before the
-    measured requests (their ``llm.reset()`` reuses its KV cells), so that first-use costs (CUDA modules loaded on
-    first launch, cuBLAS handles) fall on neither side's measured prompts. With ``replay`` it replays trace request
-    ``request_index``, the one upstream's warm-up replays (bench/upstream.py ``replay_segments``)."""
-    llm.reset()
-    if replay is not None:
-        replay.start_request(request_index, n_tokens)
-    c0 = provider_counters(llm)
-    start = time.perf_counter()
-    llm.eval(prompt_tokens(llm, n_tokens))
-    last_logits(llm)
-    return dict(n_tokens=n_tokens, seconds=time.perf_counter() - start, counters=delta(provider_counters(llm), c0))
+    """upstream llama-batched-bench's warm-up, ours: a request of a ``n_tokens`` prompt and nothing decoded, thrown
+    away before the measured requests (their ``llm.reset()`` reuses its KV cells), so that first-use costs (CUDA
+    modules loaded on first launch, cuBLAS handles) fall on neither side's measured prompts. With ``replay`` it
+    replays trace request ``request_index``, the one upstream's warm-up replays (bench/upstream.py
+    ``replay_segments``)."""
+    done = run_request(llm, prompt_tokens(llm, n_tokens), 1, 0.0, replay=replay, request_index=request_index)
+    return dict(n_tokens=n_tokens, seconds=done["prefill_s"], counters=done["prefill_counters"])
 
 
 PROVIDER_FACTS = ("n_slots", "slot_bytes", "pool_bytes", "device", "ram_slots", "prefetch_slots", "prefetch_top",
